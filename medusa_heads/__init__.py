@@ -1,0 +1,10 @@
+"""Medusa speculative decoding for any Hugging Face causal LM."""
+
+from .acceptance import Sampling
+from .generate import GenerationOutput
+from .heads import HeadsConfig, MedusaHeads
+from .model import MedusaModel
+from .tree import Tree
+
+__all__ = ["GenerationOutput", "HeadsConfig", "MedusaHeads", "MedusaModel", "Sampling", "Tree"]
+__version__ = "0.1.0"

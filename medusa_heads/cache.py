@@ -1,0 +1,97 @@
+"""A preallocated, position-indexed KV cache with per-row lengths.
+
+Slot i of a row holds the keys/values of that row's token at position i. A forward pass writes its
+tokens at slots [length, length + q) of each row (`write_positions`); `commit` then keeps the chosen
+ones by moving them to [length, length + a) and advancing the row's length. Rejected rows are never
+cleared: they lie past the length and are overwritten by the next pass.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class TreeCacheLayer(CacheLayerMixin):
+    """One attention layer's buffers: keys/values of shape (B, kv_heads, max_len, head_dim)."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, owner: "TreeCache"):
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads = key_states.shape[:2]
+        size = self.owner.max_len
+        kw = dict(dtype=key_states.dtype, device=key_states.device)
+        self.keys = torch.zeros(batch, heads, size, key_states.shape[-1], **kw)
+        self.values = torch.zeros(batch, heads, size, value_states.shape[-1], **kw)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        rows, slots = self.owner.write_index  # (B, 1), (B, q)
+        # keys[rows, :, slots] has shape (B, q, kv_heads, head_dim)
+        self.keys[rows, :, slots] = key_states.transpose(1, 2)
+        self.values[rows, :, slots] = value_states.transpose(1, 2)
+        span = self.owner.visible
+        return self.keys[:, :, :span], self.values[:, :, :span]
+
+    def commit(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy slots src -> dst in each row; both (B, a)."""
+        self.keys[rows, :, dst] = self.keys[rows, :, src]
+        self.values[rows, :, dst] = self.values[rows, :, src]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.visible, 0
+
+    def get_seq_length(self) -> int:
+        return int(self.owner.lengths.max())
+
+    def get_max_length(self) -> int:
+        return self.owner.max_len
+
+
+class TreeCache(Cache):
+    """KV cache for one batch of sequences, sized to what the request needs."""
+
+    def __init__(self, num_layers: int, batch_size: int, max_len: int, device: torch.device):
+        self.max_len = max_len
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # committed tokens per row
+        self.write_index: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.visible = max_len  # slots the attention reads this pass (the rest is unused)
+        super().__init__(layers=[TreeCacheLayer(self) for _ in range(num_layers)])
+
+    def prepare(self, query_length: int, visible: int) -> torch.Tensor:
+        """Set where the next pass writes its `query_length` tokens; returns those slots (B, q)."""
+        if visible > self.max_len:
+            raise RuntimeError(f"KV cache of {self.max_len} slots cannot hold {visible} tokens")
+        offsets = torch.arange(query_length, device=self.lengths.device)
+        slots = self.lengths[:, None] + offsets
+        rows = torch.arange(slots.shape[0], device=slots.device)[:, None]
+        self.write_index = (rows, slots)
+        self.visible = visible
+        return slots
+
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """Drop every row not listed in index (B',): finished sequences leave the batch."""
+        self.lengths = self.lengths[index]
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.keys, layer.values = layer.keys[index], layer.values[index]
+
+    def commit(self, keep: torch.Tensor, counts: torch.Tensor) -> None:
+        """Keep, per row, the first counts[b] of the just-written tokens listed in keep (B, a).
+
+        keep[b, j] is an offset into the tokens written by the last pass; it is moved to offset j.
+        """
+        rows = torch.arange(keep.shape[0], device=keep.device)[:, None]
+        base = self.lengths[:, None]
+        offsets = torch.arange(keep.shape[1], device=keep.device)
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.commit(rows, base + keep, base + offsets)
+        self.lengths += counts

@@ -1,0 +1,90 @@
+"""The native heads folder: config.json + model.safetensors, loaded strictly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .heads import HeadsConfig, MedusaHeads
+
+FORMAT = "medusa-heads"
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+class HeadsFormatError(ValueError):
+    """A heads checkpoint that cannot be used with this model."""
+
+
+def save_heads(heads: MedusaHeads, directory: str | Path, base_model: str = "", **extra) -> Path:
+    """Write heads as a native folder; `extra` entries (e.g. training metrics) go into config.json."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
+    save_file(state, directory / WEIGHTS_FILE, metadata={"format": FORMAT})
+    config = {"format": FORMAT, "format_version": FORMAT_VERSION, **heads.config.to_dict(), "base_model": base_model}
+    (directory / CONFIG_FILE).write_text(json.dumps({**config, **extra}, indent=2) + "\n")
+    return directory
+
+
+def read_config(directory: str | Path) -> dict:
+    directory = Path(directory)
+    file = directory / CONFIG_FILE
+    if not directory.is_dir():
+        raise HeadsFormatError(f"heads folder {directory} does not exist")
+    if not file.exists():
+        raise HeadsFormatError(f"{directory} has no {CONFIG_FILE}: not a heads folder")
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise HeadsFormatError(f"{file} is not valid JSON ({err})") from err
+    if config.get("format") != FORMAT:
+        raise HeadsFormatError(f"{file} is not a {FORMAT} config (format={config.get('format')!r})")
+    if config.get("format_version", 0) > FORMAT_VERSION:
+        raise HeadsFormatError(f"{file} has format version {config['format_version']}; upgrade medusa-heads")
+    return config
+
+
+def load_heads(directory: str | Path, lm_head: torch.nn.Module) -> MedusaHeads:
+    """Build heads for a base whose lm_head is given and fill them from a native folder, strictly."""
+    directory = Path(directory)
+    raw = read_config(directory)
+    fields = HeadsConfig.__dataclass_fields__
+    config = HeadsConfig(**{k: v for k, v in raw.items() if k in fields})
+    vocab, hidden = lm_head.weight.shape
+    if (config.hidden_size, config.vocab_size) != (hidden, vocab):
+        raise HeadsFormatError(
+            f"heads in {directory} were made for hidden size {config.hidden_size} and vocabulary "
+            f"{config.vocab_size}, but this base model has {hidden} and {vocab}: they belong to another base "
+            f"({raw.get('base_model') or 'unknown'})"
+        )
+    weights = directory / WEIGHTS_FILE
+    if not weights.exists():
+        raise HeadsFormatError(f"{directory} has no {WEIGHTS_FILE}")
+    try:
+        state = load_file(weights)
+    except Exception as err:  # safetensors raises several types for a damaged file
+        raise HeadsFormatError(f"cannot read {weights}: {err}") from err
+    heads = MedusaHeads(config, lm_head)
+    load_strict(heads, state, source=str(weights))
+    return heads
+
+
+def load_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """load_state_dict that names every missing, unexpected or misshapen key."""
+    expected = module.state_dict()
+    problems = []
+    if missing := sorted(set(expected) - set(state)):
+        problems.append(f"missing keys {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if unexpected := sorted(set(state) - set(expected)):
+        problems.append(f"unexpected keys {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+    for key in sorted(set(state) & set(expected)):
+        if state[key].shape != expected[key].shape:
+            problems.append(f"{key} has shape {tuple(state[key].shape)}, expected {tuple(expected[key].shape)}")
+    if problems:
+        raise HeadsFormatError(f"{source} does not fit these heads: " + "; ".join(problems))
+    module.load_state_dict(state, strict=True)

@@ -1,0 +1,142 @@
+"""MedusaModel: an unmodified Hugging Face causal LM, its tokenizer, and Medusa heads."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from . import adapter, default
+from .heads import HeadsConfig, MedusaHeads
+from .io import load_heads, save_heads
+
+
+class MedusaModel(nn.Module):
+    """A base causal LM plus Medusa heads.
+
+    Attributes: `base_model` (the Hugging Face model, untouched), `heads` (MedusaHeads),
+    `tokenizer` (or None), `config` (the base model's config).
+    """
+
+    def __init__(self, base_model: PreTrainedModel, heads: MedusaHeads, tokenizer: Any = None):
+        super().__init__()
+        adapter.check_supported(base_model)
+        self.base_model = base_model
+        self.heads = heads.to(device=base_model.device, dtype=base_model.dtype)
+        self.tokenizer = tokenizer
+        self.config = base_model.config
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        base: str | Path | PreTrainedModel | None = None,
+        heads: str | Path | None = None,
+        num_heads: int = 5,
+        num_layers: int = 1,
+        projection: str = "own",
+        tokenizer: Any = None,
+        **hf_kwargs: Any,
+    ) -> "MedusaModel":
+        """Load a base model (hub id, local folder, GGUF file, loaded model; None: the embedded
+        default) and attach heads from a folder, or fresh heads when `heads` is None.
+
+        With no base and no heads, the heads shipped for the embedded default are attached.
+        `hf_kwargs` go to `AutoModelForCausalLM.from_pretrained` (e.g. dtype, device_map).
+        """
+        if base is None:
+            base = default.default_base_dir()
+            if heads is None:
+                heads = default.shipped_heads_dir()
+        base_model, tok = load_base(base, **hf_kwargs)
+        tokenizer = tokenizer if tokenizer is not None else tok
+        lm_head = adapter.lm_head(base_model)
+        if heads is None:
+            vocab, hidden = lm_head.weight.shape
+            config = HeadsConfig(num_heads, num_layers, projection, hidden_size=hidden, vocab_size=vocab)
+            medusa_heads = MedusaHeads(config, lm_head)
+        else:
+            medusa_heads = load_heads(heads, lm_head)
+            _warn_other_base(heads, base_model)
+        return cls(base_model.eval(), medusa_heads.eval(), tokenizer)
+
+    def save_pretrained(self, directory: str | Path, **extra: Any) -> Path:
+        """Save the heads (not the base model) as a native heads folder."""
+        return save_heads(self.heads, directory, base_model=self.base_name, **extra)
+
+    @property
+    def base_name(self) -> str:
+        return str(getattr(self.config, "name_or_path", "") or self.config._name_or_path or "")
+
+    @property
+    def device(self) -> torch.device:
+        return self.base_model.device
+
+    def chat_ids(self, messages: list[dict[str, str]] | str) -> torch.Tensor:
+        """Token ids (1, T) of a chat ready for the assistant's answer (a str is one user turn)."""
+        tokenizer = self.require_tokenizer()
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        if tokenizer.chat_template:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+        else:
+            ids = tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
+        return torch.tensor([ids], device=self.device)
+
+    def require_tokenizer(self):
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass tokenizer= to MedusaModel.from_pretrained")
+        return self.tokenizer
+
+    def generate(self, input_ids: torch.Tensor, **kwargs: Any):
+        """Medusa decoding; see `medusa_heads.generate.generate` for the arguments."""
+        from .generate import generate
+
+        return generate(self, input_ids, **kwargs)
+
+    def stream(self, input_ids: torch.Tensor, **kwargs: Any):
+        """Yield decoded text increments as tokens are accepted; see `medusa_heads.generate.stream`."""
+        from .generate import stream
+
+        return stream(self, input_ids, **kwargs)
+
+
+def load_base(base: str | Path | PreTrainedModel, **hf_kwargs: Any) -> tuple[PreTrainedModel, Any]:
+    """A causal LM and its tokenizer (None when it cannot be found) from any supported source."""
+    if isinstance(base, PreTrainedModel):
+        return base, _try_tokenizer(base.name_or_path, local_files_only=True)
+    if isinstance(base, nn.Module):
+        raise TypeError(f"base must be a transformers PreTrainedModel, got {type(base).__name__}")
+    path = Path(base)
+    source: dict[str, Any] = {"pretrained_model_name_or_path": str(base)}
+    if path.suffix == ".gguf":
+        if not path.exists():
+            raise FileNotFoundError(f"GGUF file {path} does not exist")
+        source = {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}
+    elif path.exists() and not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} is not a Hugging Face model folder (no config.json)")
+    hf_kwargs.setdefault("attn_implementation", "sdpa")
+    model = AutoModelForCausalLM.from_pretrained(**source, **hf_kwargs)
+    tokenizer_kwargs = {"gguf_file": source["gguf_file"]} if "gguf_file" in source else {}
+    return model, _try_tokenizer(source["pretrained_model_name_or_path"], **tokenizer_kwargs)
+
+
+def _try_tokenizer(name: str, **kwargs: Any):
+    if not name:
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(name, **kwargs)
+    except (OSError, ValueError):
+        return None
+
+
+def _warn_other_base(heads_dir: str | Path, base_model: PreTrainedModel) -> None:
+    from .io import read_config
+
+    made_for = read_config(heads_dir).get("base_model") or ""
+    name = str(base_model.name_or_path or "")
+    if made_for and name and Path(made_for).name != Path(name).name:
+        warnings.warn(f"heads in {heads_dir} were trained for {made_for!r}, loading them on {name!r}", stacklevel=3)

@@ -1,0 +1,120 @@
+"""Candidate trees: static paths of head ranks, and the buffers that verify them in one pass.
+
+A path lists, per depth, the rank of the candidate taken from that depth's head: `[0, 1]` is rank 0
+of head 1 then rank 1 of head 2. Node 0 is the root (the base model's own next token); the other
+nodes are sorted by depth so that every parent comes before its children.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+PRESET_DIR = Path(__file__).parent / "trees"
+
+
+class Tree:
+    """A tree of candidate paths with its precomputed verification buffers (all on CPU)."""
+
+    def __init__(self, paths: list[list[int]] | list[tuple[int, ...]], name: str = "custom"):
+        self.name = name
+        nodes: set[tuple[int, ...]] = set()
+        for path in paths:
+            path = tuple(path)
+            if not path or not all(isinstance(r, int) and r >= 0 for r in path):
+                raise ValueError(f"tree path {list(path)} must be a non-empty list of ranks >= 0")
+            nodes.update(path[:i] for i in range(1, len(path) + 1))  # every prefix is a node too
+        self.paths: list[tuple[int, ...]] = sorted(nodes, key=lambda p: (len(p), p))
+        index = {p: i + 1 for i, p in enumerate(self.paths)}
+        parents = [0] + [index.get(p[:-1], 0) for p in self.paths]
+
+        n = len(parents)
+        self.size = n  # tokens verified per step, root included
+        self.depths = torch.tensor([0] + [len(p) for p in self.paths])  # (n,)
+        self.ranks = torch.tensor([p[-1] for p in self.paths], dtype=torch.long)  # (n-1,)
+        self.parents = torch.tensor(parents)  # (n,), the root is its own parent
+        self.depth = int(self.depths.max())
+        self.topk = int(self.ranks.max()) + 1 if self.paths else 1
+
+        mask = torch.eye(n, dtype=torch.bool)  # (n, n): row i sees its ancestors and itself
+        for i in range(1, n):
+            mask[i] |= mask[parents[i]]
+        self.mask = mask
+
+        leaves = sorted(set(range(n)) - set(parents[1:])) if n > 1 else [0]
+        retrieve = torch.full((len(leaves), self.depth + 1), -1, dtype=torch.long)
+        for row, leaf in enumerate(leaves):
+            chain = [leaf]
+            while chain[-1] != 0:
+                chain.append(parents[chain[-1]])
+            retrieve[row, : len(chain)] = torch.tensor(chain[::-1])
+        self.retrieve = retrieve  # (P, depth + 1): root-to-leaf node indices, -1 padded
+
+    def candidate_index(self, topk: int) -> torch.Tensor:
+        """Index of each non-root node into the heads' flattened (K * topk) candidates: (n-1,)."""
+        return (self.depths[1:] - 1) * topk + self.ranks
+
+    def check(self, num_heads: int, topk_limit: int) -> None:
+        """Raise when the tree needs more heads than the model has, or ranks beyond what top-k offers."""
+        if self.depth > num_heads:
+            raise ValueError(
+                f"tree {self.name!r} is {self.depth} deep but the model has {num_heads} heads: "
+                f"use a tree of depth <= {num_heads} (e.g. 'chain-{num_heads}')"
+            )
+        if self.topk > topk_limit:
+            raise ValueError(f"tree {self.name!r} asks for rank {self.topk - 1}, beyond the top-{topk_limit} available")
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "paths": [list(p) for p in self.paths]}
+
+    def save(self, path: str | Path, **extra) -> None:
+        Path(path).write_text(json.dumps({**self.to_json(), **extra}, indent=1) + "\n")
+
+    def __repr__(self) -> str:
+        return f"Tree({self.name!r}, size={self.size}, depth={self.depth}, topk={self.topk})"
+
+    @classmethod
+    def chain(cls, depth: int) -> "Tree":
+        """Top-1 of each of the first `depth` heads: the single chain vLLM and TGI draft."""
+        return cls([[0] * depth], name=f"chain-{depth}") if depth else cls([], name="plain")
+
+    @classmethod
+    def dense(cls, width: int, depth: int) -> "Tree":
+        """Every combination of the top-`width` ranks of the first `depth` heads."""
+        paths: list[list[int]] = [[]]
+        for _ in range(depth):
+            paths = [p + [r] for p in paths for r in range(width)]
+        return cls(paths, name=f"dense-{width}x{depth}")
+
+    @classmethod
+    def load(cls, spec: "str | Path | Tree | list") -> "Tree":
+        """A Tree from a preset name, a JSON file, or a list of paths.
+
+        Presets: 'plain' (no candidates), 'chain-D', 'dense-WxD', and the JSON files shipped in
+        medusa_heads/trees ('reference' is the original 63-node tree, 'default' the calibrated one).
+        """
+        if isinstance(spec, Tree):
+            return spec
+        if isinstance(spec, list):
+            return cls(spec)
+        text = str(spec)
+        if text == "plain":
+            return cls.chain(0)
+        if m := re.fullmatch(r"chain-(\d+)", text):
+            return cls.chain(int(m[1]))
+        if m := re.fullmatch(r"dense-(\d+)x(\d+)", text):
+            return cls.dense(int(m[1]), int(m[2]))
+        file = Path(text)
+        if not file.suffix and (PRESET_DIR / f"{text}.json").exists():
+            file = PRESET_DIR / f"{text}.json"
+        if not file.exists():
+            names = sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+            raise ValueError(
+                f"unknown tree {text!r}: give a JSON file, 'plain', 'chain-D', 'dense-WxD' or one of {names}"
+            )
+        data = json.loads(file.read_text())
+        paths = data["paths"] if isinstance(data, dict) else data
+        return cls(paths, name=data.get("name", file.stem) if isinstance(data, dict) else file.stem)
