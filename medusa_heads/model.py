@@ -118,7 +118,6 @@ def load_base(base: str | Path | PreTrainedModel, **hf_kwargs: Any) -> tuple[Pre
         source = {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}
     elif path.exists() and not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a Hugging Face model folder (no config.json)")
-    hf_kwargs.setdefault("attn_implementation", "sdpa")
     model = AutoModelForCausalLM.from_pretrained(**source, **hf_kwargs)
     tokenizer_kwargs = {"gguf_file": source["gguf_file"]} if "gguf_file" in source else {}
     return model, _try_tokenizer(source["pretrained_model_name_or_path"], **tokenizer_kwargs)

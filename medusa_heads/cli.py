@@ -1,0 +1,121 @@
+"""The `medusa` command: one table of subcommands, each a typed function over parsed arguments."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+DEMO_PROMPTS = [
+    "Explain in three sentences why the sky is blue.",
+    "Write a short Python function that checks whether a number is prime.",
+    "Give me three tips for a productive morning.",
+]
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base", help="hub id, HF folder or GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--heads", help="heads folder (default: the heads shipped for the default model)")
+    parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default: auto)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+
+
+def load_model(args: argparse.Namespace, **kwargs):
+    import torch
+
+    from .model import MedusaModel
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    hf = {} if args.dtype == "auto" else {"dtype": getattr(torch, args.dtype)}
+    model = MedusaModel.from_pretrained(args.base, heads=args.heads, **hf, **kwargs)
+    return model.to(device)
+
+
+def add_decoding_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--acceptance", choices=["greedy", "typical", "exact"], default="greedy")
+    parser.add_argument("--temperature", type=float, default=0.7, help="for typical / exact (default: 0.7)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--tree", help="tree preset (default, reference, chain-D, dense-WxD, plain) or JSON file")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--seed", type=int, default=None)
+
+
+def decoding_kwargs(args: argparse.Namespace) -> dict:
+    return dict(acceptance=args.acceptance, temperature=args.temperature, top_p=args.top_p,
+                max_new_tokens=args.max_new_tokens, tree=args.tree, stop=args.stop, seed=args.seed)
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    model = load_model(args)
+    if args.raw:
+        ids = model.require_tokenizer()(args.prompt, return_tensors="pt")["input_ids"].to(model.device)
+    else:
+        ids = model.chat_ids(args.prompt)
+    if not args.json:
+        for piece in model.stream(ids, **decoding_kwargs(args)):
+            print(piece, end="", flush=True)
+        print()
+        return
+    out = model.generate(ids, **decoding_kwargs(args))
+    new = len(out.new_tokens[0])
+    print(json.dumps({
+        "text": out.texts[0],
+        "new_tokens": new,
+        "steps": out.steps,
+        "mean_accepted_length": round(out.mean_accepted_length, 3),
+        "tokens_per_second": round(new / out.elapsed, 2),
+    }))
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from .demo import run_demo
+
+    run_demo(load_model(args, projection="shared"), DEMO_PROMPTS, args.max_new_tokens)
+
+
+def setup_generate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt")
+    add_model_args(p)
+    add_decoding_args(p)
+    p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
+    p.add_argument("--json", action="store_true", help="print text, new tokens, steps, mean accepted length, tok/s")
+
+
+def setup_demo(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+
+
+# name: (help, add the arguments, run)
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], None]]] = {
+    "generate": ("answer one prompt (streams the text; --json for stats)", setup_generate, cmd_generate),
+    "demo": ("answer a few prompts with the default model: plain vs Medusa speed", setup_demo, cmd_demo),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="medusa", description="Medusa speculative decoding for Hugging Face LMs")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help, setup, run) in COMMANDS.items():
+        p = sub.add_parser(name, help=help, description=help)
+        setup(p)
+        p.set_defaults(run=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"medusa {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
