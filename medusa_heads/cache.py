@@ -18,7 +18,7 @@ class TreeCacheLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, owner: "TreeCache"):
+    def __init__(self, owner: TreeCache):
         super().__init__()
         self.owner = owner
 

@@ -48,6 +48,10 @@ def decoding_kwargs(args: argparse.Namespace) -> dict:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    from .tree import Tree
+
+    if args.tree:
+        Tree.load(args.tree)  # a bad tree fails before the model loads
     model = load_model(args)
     if args.raw:
         ids = model.require_tokenizer()(args.prompt, return_tensors="pt")["input_ids"].to(model.device)
@@ -107,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # a bar per quick weight load is noise; ours show real work
+    logging.set_verbosity_error()
     try:
         args.run(args)
     except (ValueError, FileNotFoundError) as err:

@@ -31,7 +31,7 @@ def gguf_path() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"the embedded default model is missing: install it with `{INSTALL_HINT}`")
-    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing: reinstall it with `{INSTALL_HINT} --force-reinstall`")
     return path

@@ -167,7 +167,7 @@ class Decoder:
     def _emit(self, emitted: torch.Tensor, counts: torch.Tensor) -> None:
         """Append each active row's new tokens, apply the stop rules, drop finished rows."""
         keep = []
-        for b, (tokens, count) in enumerate(zip(emitted.tolist(), counts.tolist())):
+        for b, (tokens, count) in enumerate(zip(emitted.tolist(), counts.tolist(), strict=True)):
             row = self.rows[self.active[b]]
             row.accept_lengths.append(0)
             for token in tokens[:count]:
@@ -301,7 +301,8 @@ def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> li
         return input_ids.tolist()
     if attention_mask.shape != input_ids.shape:
         raise ValueError("attention_mask must have the shape of input_ids")
-    prompts = [[t for t, m in zip(ids, mask) if m] for ids, mask in zip(input_ids.tolist(), attention_mask.tolist())]
+    rows = zip(input_ids.tolist(), attention_mask.tolist(), strict=True)
+    prompts = [[t for t, m in zip(ids, mask, strict=True) if m] for ids, mask in rows]
     if any(not p for p in prompts):
         raise ValueError("every prompt needs at least one token (a row of attention_mask is all zeros)")
     return prompts

@@ -60,6 +60,7 @@ class MedusaHeads(nn.Module):
             self.projections = nn.ModuleList(_copy_linear(lm_head) for _ in range(config.num_heads))
         else:
             self.projections = None
+        self.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
         # Held outside the module tree: the base model owns it, we only borrow it.
         object.__setattr__(self, "base_lm_head", lm_head)
 
@@ -72,7 +73,7 @@ class MedusaHeads(nn.Module):
         states = self.hidden(hidden.to(self._dtype))
         if self.projections is None:
             return self.base_lm_head(states.to(self.base_lm_head.weight.dtype))
-        return torch.stack([proj(s) for proj, s in zip(self.projections, states)])
+        return torch.stack([proj(s) for proj, s in zip(self.projections, states, strict=True)])
 
     @property
     def _dtype(self) -> torch.dtype:

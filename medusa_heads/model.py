@@ -40,7 +40,7 @@ class MedusaModel(nn.Module):
         projection: str = "own",
         tokenizer: Any = None,
         **hf_kwargs: Any,
-    ) -> "MedusaModel":
+    ) -> MedusaModel:
         """Load a base model (hub id, local folder, GGUF file, loaded model; None: the embedded
         default) and attach heads from a folder, or fresh heads when `heads` is None.
 

@@ -77,20 +77,20 @@ class Tree:
         return f"Tree({self.name!r}, size={self.size}, depth={self.depth}, topk={self.topk})"
 
     @classmethod
-    def chain(cls, depth: int) -> "Tree":
+    def chain(cls, depth: int) -> Tree:
         """Top-1 of each of the first `depth` heads: the single chain vLLM and TGI draft."""
         return cls([[0] * depth], name=f"chain-{depth}") if depth else cls([], name="plain")
 
     @classmethod
-    def dense(cls, width: int, depth: int) -> "Tree":
+    def dense(cls, width: int, depth: int) -> Tree:
         """Every combination of the top-`width` ranks of the first `depth` heads."""
         paths: list[list[int]] = [[]]
         for _ in range(depth):
-            paths = [p + [r] for p in paths for r in range(width)]
+            paths = [[*p, r] for p in paths for r in range(width)]
         return cls(paths, name=f"dense-{width}x{depth}")
 
     @classmethod
-    def load(cls, spec: "str | Path | Tree | list") -> "Tree":
+    def load(cls, spec: str | Path | Tree | list) -> Tree:
         """A Tree from a preset name, a JSON file, or a list of paths.
 
         Presets: 'plain' (no candidates), 'chain-D', 'dense-WxD', and the JSON files shipped in

@@ -35,3 +35,14 @@ def tiny_model(arch: str, tied: bool = False, seed: int = 0, dtype: torch.dtype 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
     return model.to(dtype).eval()
+
+
+def tiny_tokenizer():
+    """A real fast tokenizer over the tiny vocabulary: <pad>, <s>, </s>, then the letters a..m."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<s>", "</s>"] + [chr(ord("a") + i) for i in range(VOCAB - 3)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")

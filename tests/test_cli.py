@@ -1,0 +1,56 @@
+"""The `medusa` console command, run as a user would."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from tiny import tiny_model, tiny_tokenizer
+
+from medusa_heads.cli import COMMANDS
+
+
+def medusa(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "medusa_heads.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_help_lists_every_subcommand():
+    out = medusa("--help")
+    assert out.returncode == 0
+    for name in COMMANDS:
+        assert name in out.stdout
+        sub = medusa(name, "--help")
+        assert sub.returncode == 0 and "usage: medusa " + name in sub.stdout
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_model("llama").float().save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_generate_json(tiny_folder):
+    out = medusa("generate", "c d e", "--base", str(tiny_folder), "--raw", "--json", "--max-new-tokens", "12",
+                 "--tree", "chain-3")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["new_tokens"] == 12 and result["steps"] <= 12 and result["mean_accepted_length"] >= 1
+    assert set(result) == {"text", "new_tokens", "steps", "mean_accepted_length", "tokens_per_second"}
+
+
+def test_generate_streams_text(tiny_folder):
+    out = medusa("generate", "c d e", "--base", str(tiny_folder), "--raw", "--max-new-tokens", "8",
+                 "--acceptance", "exact", "--seed", "1")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip()
+
+
+def test_user_errors_are_one_line_and_exit_2(tiny_folder):
+    out = medusa("generate", "c", "--base", str(tiny_folder), "--tree", "nope")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "unknown tree 'nope'" in out.stderr
+    out = medusa("generate", "c", "--base", str(tiny_folder), "--heads", str(tiny_folder / "missing"))
+    assert out.returncode == 2 and "does not exist" in out.stderr

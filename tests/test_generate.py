@@ -1,0 +1,135 @@
+"""Greedy Medusa decoding equals plain greedy decoding, token for token, for every tree and family."""
+
+import random
+
+import pytest
+import torch
+from conftest import ARCHS, hf_greedy, medusa_tiny
+from tiny import tiny_tokenizer
+
+from medusa_heads import Tree
+
+TREES = ["plain", "chain-4", "dense-2x3", "reference", "default"]
+
+
+def random_tree(rng: random.Random, depth: int = 4, max_rank: int = 5) -> Tree:
+    return Tree([[rng.randrange(max_rank) for _ in range(rng.randint(1, depth))] for _ in range(rng.randint(1, 20))])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_equals_transformers_generate(arch):
+    rng = random.Random(arch)
+    model = medusa_tiny(arch, tied=rng.random() < 0.5, seed=rng.randrange(100))
+    for trial in range(3):
+        ids = torch.randint(3, 16, (1, rng.randint(1, 12)), generator=torch.Generator().manual_seed(trial))
+        expected = hf_greedy(model.base_model, ids, max_new_tokens=24)
+        for tree in [*TREES, random_tree(rng)]:
+            out = model.generate(ids, max_new_tokens=24, tree=tree, eos_token_id=[])
+            assert torch.equal(out.sequences, expected), (arch, tree, trial)
+            assert sum(out.accept_lengths[0]) == 24
+
+
+def test_trees_are_exercised():
+    """The tiny models accept several tokens per step, so commits of long paths are tested above."""
+    model = medusa_tiny("llama")
+    out = model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=40, tree="reference", eos_token_id=[])
+    assert max(out.accept_lengths[0]) >= 3 and out.mean_accepted_length > 1.3
+
+
+def find_cut(model, fresh: bool):
+    """A prompt and a (token, position) emitted in the middle of a multi-token step of the reference
+    tree; with fresh=True, a token that did not appear before it."""
+    for seed in range(20):
+        ids = torch.randint(3, 16, (1, 5), generator=torch.Generator().manual_seed(seed))
+        out = model.generate(ids, max_new_tokens=40, tree="reference", eos_token_id=[])
+        tokens, position = out.new_tokens[0], 0
+        for length in out.accept_lengths[0]:
+            for j in range(position, position + length - 1):  # not the step's last token
+                if not fresh or tokens[j] not in tokens[:j]:
+                    return ids, tokens[j], j
+            position += length
+    raise AssertionError("no multi-token step found")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])
+def test_eos_inside_an_accepted_path(arch):
+    model = medusa_tiny(arch)
+    ids, eos, position = find_cut(model, fresh=True)
+    out = model.generate(ids, max_new_tokens=40, tree="reference", eos_token_id=eos)
+    assert out.new_tokens[0][-1] == eos and len(out.new_tokens[0]) == position + 1
+    assert torch.equal(out.sequences, hf_greedy(model.base_model, ids, 40, eos_token_id=eos))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_max_new_tokens_inside_an_accepted_path(arch):
+    model = medusa_tiny(arch)
+    ids, _, position = find_cut(model, fresh=False)
+    out = model.generate(ids, max_new_tokens=position + 1, tree="reference", eos_token_id=[])
+    assert len(out.new_tokens[0]) == position + 1
+    assert torch.equal(out.sequences, hf_greedy(model.base_model, ids, position + 1))
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gpt2"])
+def test_batch_rows_equal_their_solo_runs(arch, padding):
+    model = medusa_tiny(arch)
+    prompts = [[3, 4, 5, 6, 7, 8, 9], [10], [11, 12, 3], [5, 5, 5, 5]]
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        span = slice(width - len(p), width) if padding == "left" else slice(0, len(p))
+        ids[i, span], mask[i, span] = torch.tensor(p), 1
+    solo = [model.generate(torch.tensor([p]), max_new_tokens=30, tree="reference", eos_token_id=[]) for p in prompts]
+    # an end-of-sequence token that makes the rows end at different steps
+    ends = [{o.new_tokens[0].index(t) if t in o.new_tokens[0] else 30 for o in solo} for t in range(16)]
+    eos = next(t for t in range(16) if len(ends[t]) > 1)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=30, tree="reference", eos_token_id=eos)
+    for i, p in enumerate(prompts):
+        solo = model.generate(torch.tensor([p]), max_new_tokens=30, tree="reference", eos_token_id=eos)
+        assert out.new_tokens[i] == solo.new_tokens[0]
+        assert out.sequences[i, : len(p) + len(solo.new_tokens[0])].tolist() == solo.sequences[0].tolist()
+    assert len({len(t) for t in out.new_tokens}) > 1
+
+
+def with_tokenizer(model):
+    model.tokenizer = tiny_tokenizer()
+    return model
+
+
+def test_stop_string_ends_generation_and_is_cut_from_text():
+    model = with_tokenizer(medusa_tiny("llama"))
+    ids = torch.tensor([[3, 4, 5, 6]])
+    full = model.generate(ids, max_new_tokens=40, tree="reference", eos_token_id=[])
+    words = full.texts[0].split()
+    stop = " ".join(words[5:7])
+    out = model.generate(ids, max_new_tokens=40, tree="reference", eos_token_id=[], stop=stop)
+    first = full.texts[0].find(stop)
+    assert out.texts[0] == full.texts[0][:first]
+    assert out.new_tokens[0] == full.new_tokens[0][: len(out.new_tokens[0])]
+    assert model.tokenizer.decode(out.new_tokens[0], skip_special_tokens=True).endswith(stop)
+
+
+def test_stream_yields_the_same_text():
+    model = with_tokenizer(medusa_tiny("qwen2"))
+    ids = torch.tensor([[3, 4, 5]])
+    full = model.generate(ids, max_new_tokens=30, tree="default", eos_token_id=[])
+    pieces = list(model.stream(ids, max_new_tokens=30, tree="default", eos_token_id=[]))
+    assert len(pieces) > 1 and "".join(pieces) == full.texts[0]
+    stop = full.texts[0].split()[4]
+    streamed = "".join(model.stream(ids, max_new_tokens=30, tree="default", eos_token_id=[], stop=stop))
+    assert streamed == full.texts[0][: full.texts[0].find(stop)]
+
+
+def test_bad_arguments():
+    model = medusa_tiny("llama", num_heads=2)
+    ids = torch.tensor([[3, 4]])
+    with pytest.raises(ValueError, match="4 deep but the model has 2 heads"):
+        model.generate(ids, tree="reference")
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(ids, max_new_tokens=0)
+    with pytest.raises(ValueError, match="shape"):
+        model.generate(torch.tensor([3, 4]))
+    with pytest.raises(ValueError, match="tokenizer"):
+        model.generate(ids, stop="x")
+    assert model.generate(ids, max_new_tokens=3).steps >= 1  # default tree falls back to a chain of 2
