@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 DEMO_PROMPTS = [
     "Explain in three sentences why the sky is blue.",
@@ -28,6 +29,7 @@ def load_model(args: argparse.Namespace, **kwargs):
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     hf = {} if args.dtype == "auto" else {"dtype": getattr(torch, args.dtype)}
+    kwargs.setdefault("projection", "shared")  # fresh heads only: an own copy of lm_head would change nothing
     model = MedusaModel.from_pretrained(args.base, heads=args.heads, **hf, **kwargs)
     return model.to(device)
 
@@ -76,7 +78,31 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_demo(args: argparse.Namespace) -> None:
     from .demo import run_demo
 
-    run_demo(load_model(args, projection="shared"), DEMO_PROMPTS, args.max_new_tokens)
+    run_demo(load_model(args), DEMO_PROMPTS, args.max_new_tokens)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from .bench import bench
+
+    model = load_model(args)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    result = bench(model, args.questions, methods, args.out, args.max_new_tokens, args.limit, args.repeats,
+                   args.max_turns)
+    print((Path(args.out) / "report.md").read_text())
+    if result["summary"]["mismatches"]:
+        print(f"{len(result['summary']['mismatches'])} outputs differ from the reference: see report.md")
+
+
+def setup_bench(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--questions", required=True, help="Spec-Bench JSONL (question_id, category, turns)")
+    add_model_args(p)
+    p.add_argument("--methods", default="hf,hf-pld,plain,medusa",
+                   help="comma-separated: hf, hf-pld, plain, medusa, medusa:TREE (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--limit", type=int, default=None, help="first Q questions only")
+    p.add_argument("--repeats", type=int, default=1, help="time each answer R times, keep the median")
+    p.add_argument("--max-turns", type=int, default=None, help="answer only the first N turns of each question")
+    p.add_argument("--out", required=True, help="folder for results.json, report.md and the plots")
 
 
 def setup_generate(p: argparse.ArgumentParser) -> None:
@@ -95,6 +121,7 @@ def setup_demo(p: argparse.ArgumentParser) -> None:
 # name: (help, add the arguments, run)
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], None]]] = {
     "generate": ("answer one prompt (streams the text; --json for stats)", setup_generate, cmd_generate),
+    "bench": ("Spec-Bench-style benchmark of Medusa against the peers", setup_bench, cmd_bench),
     "demo": ("answer a few prompts with the default model: plain vs Medusa speed", setup_demo, cmd_demo),
 }
 

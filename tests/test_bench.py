@@ -1,0 +1,67 @@
+"""The benchmark on a tiny model with two questions: schema, self speed-up, mismatch detection."""
+
+import json
+
+import pytest
+from conftest import medusa_tiny
+from tiny import tiny_tokenizer
+
+from medusa_heads.bench import Method, bench, load_questions
+
+
+class WrongMethod(Method):
+    """Plain decoding with one token changed: the bench must report it."""
+
+    def run(self, ids, max_new_tokens):
+        tokens, steps, lengths = super().run(ids, max_new_tokens)
+        return [(tokens[0] + 1) % 16, *tokens[1:]], steps, lengths
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    questions = out / "q.jsonl"
+    questions.write_text("\n".join(json.dumps(q) for q in [
+        {"question_id": 1, "category": "writing", "turns": ["c d e", "f g"]},
+        {"question_id": 2, "category": "math", "turns": ["h i j k"]},
+    ]) + "\n")
+    model = medusa_tiny("llama")
+    model.tokenizer = tiny_tokenizer()
+    methods = ["hf", "hf-pld", "plain", "medusa", "medusa:reference", WrongMethod("plain", model)]
+    methods[-1].name = "wrong"
+    return bench(model, questions, methods, out / "run", max_new_tokens=12), out / "run"
+
+
+def test_files_and_schema(result):
+    res, out = result
+    assert {p.name for p in out.iterdir()} >= {"results.json", "report.md", "speedup.png", "accepted_lengths.png",
+                                                 "head_accuracy.png"}
+    saved = json.loads((out / "results.json").read_text())
+    assert set(saved) == {"records", "settings", "summary", "environment", "head_accuracy"}
+    assert len(saved["records"]) == 3 * 6  # 3 turns x 6 methods
+    record = saved["records"][0]
+    assert set(record) >= {"question_id", "category", "turn", "method", "new_tokens", "seconds", "tokens_per_second",
+                           "steps", "accept_lengths", "tokens"}
+    assert saved["environment"]["torch"] and saved["settings"]["max_new_tokens"] == 12
+    assert set(saved["summary"]["methods"]["medusa"]) == {"overall", "writing", "math"}
+
+
+def test_reference_speedup_is_one(result):
+    res, _ = result
+    for category, s in res["summary"]["methods"]["hf"].items():
+        assert s["speedup"] == 1.0, category
+    assert res["summary"]["methods"]["plain"]["overall"]["mean_accepted_length"] == 1.0
+
+
+def test_greedy_methods_match_and_wrong_is_reported(result):
+    res, out = result
+    mismatched = {(m["method"], m["question_id"], m["turn"]) for m in res["summary"]["mismatches"]}
+    assert mismatched == {("wrong", 1, 0), ("wrong", 1, 1), ("wrong", 2, 0)}
+    assert "wrong differs on question 1 turn 0 from token 0" in (out / "report.md").read_text()
+
+
+def test_bad_question_file_names_the_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"turns": ["ok"]}\n{"question_id": 2}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not a Spec-Bench question"):
+        load_questions(bad)
