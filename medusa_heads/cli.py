@@ -105,6 +105,74 @@ def setup_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="folder for results.json, report.md and the plots")
 
 
+def cmd_distill(args: argparse.Namespace) -> None:
+    from .train.distill import distill, endpoint_answerer, local_answerer, read_prompts
+
+    prompts = read_prompts(args.prompts)
+    if args.endpoint:
+        answer = endpoint_answerer(args.endpoint, args.model, args.max_new_tokens, args.temperature, args.batch_size)
+    else:
+        answer = local_answerer(load_model(args), args.max_new_tokens, args.temperature, args.seed)
+    added = distill(prompts, answer, args.out, args.batch_size)
+    print(f"{args.out}: {added} prompts answered, {len(prompts)} in all")
+
+
+def setup_distill(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument("--prompts", required=True, help='JSONL of {"turns": [...]} or ShareGPT (assistant turns redone)')
+    p.add_argument("--out", required=True, help="ShareGPT JSONL to write (resumes if it exists)")
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: exact sampling")
+    p.add_argument("--batch-size", type=int, default=16, help="prompts decoded together (or parallel requests)")
+    p.add_argument("--endpoint", help="OpenAI-compatible base URL (e.g. http://host:8000/v1) instead of local")
+    p.add_argument("--model", help="model name at the endpoint (default: the first it lists)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from .train.trainer import TrainConfig, Trainer, prepare_examples
+
+    config = TrainConfig(**{k: getattr(args, k) for k in TrainConfig.__dataclass_fields__ if hasattr(args, k)})
+    model = load_model(args, num_heads=config.num_heads, num_layers=config.num_layers, projection=config.projection)
+    train, held_out, skipped = prepare_examples(model, args.data, config)
+    if skipped:
+        print(f"skipped {skipped} malformed records")
+    Trainer(model, config, args.out).fit(train, held_out, resume=args.resume)
+    print(f"heads saved in {args.out}")
+
+
+def setup_train(p: argparse.ArgumentParser) -> None:
+    from .train.trainer import TrainConfig
+
+    d = TrainConfig()
+    add_model_args(p)
+    p.add_argument("--data", required=True, help="ShareGPT / messages JSON or JSONL")
+    p.add_argument("--out", required=True, help="folder for the heads (and checkpoints)")
+    p.add_argument("--mode", choices=["medusa1", "medusa2"], default=d.mode)
+    p.add_argument("--num-heads", type=int, default=d.num_heads)
+    p.add_argument("--num-layers", type=int, default=d.num_layers)
+    p.add_argument("--projection", choices=["own", "shared"], default=d.projection)
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--max-length", type=int, default=d.max_length)
+    p.add_argument("--decay", type=float, default=d.decay, help="head k's loss weight is decay**k")
+    p.add_argument("--eval-fraction", type=float, default=d.eval_fraction)
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--no-cache-hidden", dest="cache_hidden", action="store_false",
+                   help="Medusa-1: recompute backbone states every epoch instead of caching them once")
+    p.add_argument("--skip-bad", action="store_true", help="skip malformed records (counted) instead of stopping")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    p.add_argument("--heads-lr-multiplier", type=float, default=d.heads_lr_multiplier, help="Medusa-2")
+    p.add_argument("--head-loss-weight", type=float, default=d.head_loss_weight, help="Medusa-2: lambda_0")
+    p.add_argument("--kl", action="store_true", help="Medusa-2: KL to the original model (self-distilled data)")
+    p.add_argument("--heads-warmup-steps", type=int, default=d.heads_warmup_steps, help="Medusa-2")
+    p.add_argument("--lora-r", type=int, default=d.lora_r, help="Medusa-2")
+    p.add_argument("--lora-alpha", type=int, default=d.lora_alpha, help="Medusa-2")
+    p.add_argument("--merge", action="store_true", help="Medusa-2: save a merged model instead of the adapter")
+
+
 def setup_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt")
     add_model_args(p)
@@ -122,6 +190,8 @@ def setup_demo(p: argparse.ArgumentParser) -> None:
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], None]]] = {
     "generate": ("answer one prompt (streams the text; --json for stats)", setup_generate, cmd_generate),
     "bench": ("Spec-Bench-style benchmark of Medusa against the peers", setup_bench, cmd_bench),
+    "distill": ("self-distillation: the model answers prompts itself (resumable)", setup_distill, cmd_distill),
+    "train": ("train heads: Medusa-1 (frozen backbone) or Medusa-2 (LoRA backbone)", setup_train, cmd_train),
     "demo": ("answer a few prompts with the default model: plain vs Medusa speed", setup_demo, cmd_demo),
 }
 

@@ -128,8 +128,8 @@ class Decoder:
         batch, n = self.root.shape[0], self.tree.size
         tokens = self.root[:, None]
         if n > 1:
-            head_logits = self.model.heads(self.hidden)  # (K, B, V)
-            top = head_logits[: self.tree.depth].topk(self.tree.topk, dim=-1).indices  # (D, B, topk)
+            head_logits = self.model.heads(self.hidden, num_heads=self.tree.depth)  # (D, B, V)
+            top = head_logits.topk(self.tree.topk, dim=-1).indices  # (D, B, topk)
             candidates = top.permute(1, 0, 2).reshape(batch, -1)[:, self.cand_index]  # (B, n-1)
             tokens = torch.cat([tokens, candidates], dim=1)  # (B, n)
         lengths = self.cache.lengths

@@ -64,16 +64,20 @@ class MedusaHeads(nn.Module):
         # Held outside the module tree: the base model owns it, we only borrow it.
         object.__setattr__(self, "base_lm_head", lm_head)
 
-    def hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Each head's residual-block output: (K, *hidden.shape)."""
-        return torch.stack([blocks(hidden) for blocks in self.blocks])
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of every head: (K, *hidden.shape[:-1], vocab)."""
-        states = self.hidden(hidden.to(self._dtype))
+    def head_logits(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """Logits of head k (0-based): (*hidden.shape[:-1], vocab)."""
+        state = self.blocks[k](hidden.to(self._dtype))
         if self.projections is None:
+            return self.base_lm_head(state.to(self.base_lm_head.weight.dtype))
+        return self.projections[k](state)
+
+    def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """Logits of the first num_heads heads (default all): (K, *hidden.shape[:-1], vocab)."""
+        count = self.config.num_heads if num_heads is None else num_heads
+        if self.projections is None:  # one vocabulary matmul for all heads
+            states = torch.stack([self.blocks[k](hidden.to(self._dtype)) for k in range(count)])
             return self.base_lm_head(states.to(self.base_lm_head.weight.dtype))
-        return torch.stack([proj(s) for proj, s in zip(self.projections, states, strict=True)])
+        return torch.stack([self.head_logits(hidden, k) for k in range(count)])
 
     @property
     def _dtype(self) -> torch.dtype:

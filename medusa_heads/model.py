@@ -52,6 +52,10 @@ class MedusaModel(nn.Module):
             if heads is None:
                 heads = default.shipped_heads_dir()
         base_model, tok = load_base(base, **hf_kwargs)
+        if heads is not None and (Path(heads) / "adapter").is_dir():  # Medusa-2: a LoRA-tuned backbone
+            from peft import PeftModel
+
+            base_model = PeftModel.from_pretrained(base_model, Path(heads) / "adapter").merge_and_unload()
         tokenizer = tokenizer if tokenizer is not None else tok
         lm_head = adapter.lm_head(base_model)
         if heads is None:

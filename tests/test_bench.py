@@ -23,7 +23,7 @@ def result(tmp_path_factory):
     questions = out / "q.jsonl"
     questions.write_text("\n".join(json.dumps(q) for q in [
         {"question_id": 1, "category": "writing", "turns": ["c d e", "f g"]},
-        {"question_id": 2, "category": "math", "turns": ["h i j k"]},
+        {"question_id": 2, "category": "math", "turns": ["h i j"]},
     ]) + "\n")
     model = medusa_tiny("llama")
     model.tokenizer = tiny_tokenizer()

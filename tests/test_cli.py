@@ -37,7 +37,8 @@ def test_generate_json(tiny_folder):
                  "--tree", "chain-3")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    assert result["new_tokens"] == 12 and result["steps"] <= 12 and result["mean_accepted_length"] >= 1
+    assert 1 <= result["new_tokens"] <= 12 and result["steps"] <= result["new_tokens"]
+    assert result["mean_accepted_length"] >= 1
     assert set(result) == {"text", "new_tokens", "steps", "mean_accepted_length", "tokens_per_second"}
 
 

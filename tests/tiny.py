@@ -37,12 +37,21 @@ def tiny_model(arch: str, tied: bool = False, seed: int = 0, dtype: torch.dtype 
     return model.to(dtype).eval()
 
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}<s> assistant {% endif %}"
+)
+
+
 def tiny_tokenizer():
-    """A real fast tokenizer over the tiny vocabulary: <pad>, <s>, </s>, then the letters a..m."""
+    """A real fast tokenizer over the tiny vocabulary, with a chat template: <pad>, <s>, </s>, the
+    three roles, then the letters a..j."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = ["<pad>", "<s>", "</s>"] + [chr(ord("a") + i) for i in range(VOCAB - 3)]
+    words = ["<pad>", "<s>", "</s>", "user", "assistant", "system"] + [chr(ord("a") + i) for i in range(VOCAB - 6)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer

@@ -1,0 +1,57 @@
+"""Training losses: the Medusa heads loss, and the backbone's LM / distillation loss for Medusa-2."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .data import IGNORE
+
+
+def head_targets(labels: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions (flat indices into (B, T)) where head k (0-based) has a target, and those targets.
+
+    Head k at position t aims at token t + k + 2; the base lm_head itself covers t + 1.
+    """
+    shift = k + 2
+    target = torch.full_like(labels, IGNORE)
+    target[:, :-shift] = labels[:, shift:]
+    flat = target.reshape(-1)
+    where = (flat != IGNORE).nonzero(as_tuple=True)[0]
+    return where, flat[where]
+
+
+def heads_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, decay: float = 0.8, topk: int = 5):
+    """sum_k decay^k * CE_k over assistant targets; also per-head (top-1 hits, top-k hits, count).
+
+    hidden: (B, T, H) last hidden states; labels: (B, T) with IGNORE outside assistant tokens.
+    Only positions with a target go through the vocabulary projection, one head at a time.
+    """
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    total = hidden.new_zeros((), dtype=torch.float32)
+    stats = torch.zeros(heads.config.num_heads, 3, dtype=torch.long)
+    for k in range(heads.config.num_heads):
+        where, target = head_targets(labels, k)
+        if where.numel() == 0:
+            continue
+        logits = heads.head_logits(flat_hidden[where], k).float()  # (N, V)
+        total = total + decay**k * F.cross_entropy(logits, target)
+        with torch.no_grad():
+            top = logits.topk(topk, dim=-1).indices
+            stats[k, 0] = (top[:, 0] == target).sum()
+            stats[k, 1] = (top == target[:, None]).any(-1).sum()
+            stats[k, 2] = target.numel()
+    return total, stats
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy on assistant tokens."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE)
+
+
+def distill_kl(logits: torch.Tensor, original_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """KL(original || trained) of the next-token distributions at positions that predict assistant tokens."""
+    mask = labels[:, 1:] != IGNORE
+    new = F.log_softmax(logits[:, :-1][mask].float(), dim=-1)
+    old = F.log_softmax(original_logits[:, :-1][mask].float(), dim=-1)
+    return F.kl_div(new, old, log_target=True, reduction="batchmean")

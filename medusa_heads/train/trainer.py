@@ -1,0 +1,289 @@
+"""Training Medusa heads (Medusa-1, frozen backbone) or heads + LoRA backbone (Medusa-2), on accelerate.
+
+One loop for both modes. `accelerate launch` or `torchrun` runs the same code on several devices
+(DDP through `Accelerator.prepare`); each process takes its shard of every epoch's shuffled order.
+A checkpoint (accelerate state + position in the data) is written every `checkpoint_every` steps
+and at each epoch's end; `resume=True` continues from it without repeating or skipping a batch.
+Medusa-1 can cache the frozen backbone's hidden states on disk once, so epochs cost only the heads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+from transformers import get_cosine_schedule_with_warmup
+
+from .. import adapter
+from ..io import save_heads
+from ..model import MedusaModel
+from .data import IGNORE, Example, read_conversations, tokenize
+from .losses import distill_kl, heads_loss, lm_loss
+
+MODES = ("medusa1", "medusa2")
+
+
+@dataclass
+class TrainConfig:
+    mode: str = "medusa1"  # "medusa1": heads on a frozen backbone; "medusa2": heads + LoRA backbone
+    num_heads: int = 4  # K heads
+    num_layers: int = 1  # residual blocks per head
+    projection: str = "own"  # "own" vocabulary projection per head, or "shared" base lm_head
+    epochs: int = 2
+    lr: float = 1e-3  # heads' learning rate (Medusa-1); backbone's (Medusa-2)
+    batch_size: int = 8  # conversations per optimiser step, over all processes
+    max_length: int = 1024  # tokens per conversation, the rest is cut
+    decay: float = 0.8  # head k's loss weight is decay**k
+    warmup_ratio: float = 0.05  # linear warm-up share of all steps, then cosine decay
+    eval_fraction: float = 0.05  # held-out share for per-head accuracy
+    seed: int = 0
+    cache_hidden: bool = True  # Medusa-1: compute backbone hidden states once, reuse every epoch
+    checkpoint_every: int = 200  # optimiser steps between checkpoints
+    skip_bad: bool = False  # skip malformed records instead of stopping
+    heads_lr_multiplier: float = 4.0  # Medusa-2: heads learn this much faster than the backbone
+    head_loss_weight: float = 0.2  # Medusa-2: lambda_0 in LM loss + lambda_0 * heads loss
+    kl: bool = False  # Medusa-2: KL to the original model instead of LM loss (self-distilled data)
+    heads_warmup_steps: int = 0  # Medusa-2: steps that train only the heads before the joint phase
+    lora_r: int = 16  # Medusa-2: LoRA rank
+    lora_alpha: int = 32
+    merge: bool = False  # Medusa-2: save a merged model instead of the LoRA adapter
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.epochs < 1 or self.batch_size < 1 or self.max_length < 8:
+            raise ValueError("epochs and batch_size must be >= 1 and max_length >= 8")
+
+
+def prepare_examples(model, data: str | Path, config: TrainConfig) -> tuple[list[Example], list[Example], int]:
+    """Tokenised train and held-out examples (deterministic split) and the skipped-record count."""
+    conversations, skipped = read_conversations(data, skip_bad=config.skip_bad)
+    tokenizer = model.require_tokenizer()
+    examples = [tokenize(tokenizer, c, config.max_length) for c in conversations]
+    examples = [e for e in examples if any(label != IGNORE for label in e.labels[2:])]
+    if not examples:
+        raise ValueError(f"{data}: no conversation has assistant tokens within max_length={config.max_length}")
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(config.seed)).tolist()
+    held = min(len(examples) - 1, max(1, round(len(examples) * config.eval_fraction))) if len(examples) > 1 else 0
+    return [examples[i] for i in order[held:]], [examples[i] for i in order[:held]], skipped
+
+
+class HiddenCache:
+    """The frozen backbone's last hidden states per example, in float16 safetensors parts on disk."""
+
+    PART = 256  # examples per file
+
+    def __init__(self, directory: Path, fingerprint: dict):
+        self.directory = directory
+        meta = directory / "meta.json"
+        if meta.exists() and json.loads(meta.read_text()) != fingerprint:
+            for part in directory.glob("part-*.safetensors"):
+                part.unlink()  # made from other data or another model: start over
+        directory.mkdir(parents=True, exist_ok=True)
+        meta.write_text(json.dumps(fingerprint))
+        self.states: list[torch.Tensor] = []
+
+    def build(self, model, examples: list[Example], accelerator: Accelerator) -> None:
+        parts = math.ceil(len(examples) / self.PART)
+        mine = [p for p in range(parts) if p % accelerator.num_processes == accelerator.process_index]
+        body = adapter.decoder(model.base_model)
+        for p in tqdm(mine, desc="caching hidden states", disable=not accelerator.is_local_main_process):
+            path = self.directory / f"part-{p:05d}.safetensors"
+            if path.exists():
+                continue
+            chunk = examples[p * self.PART : (p + 1) * self.PART]
+            with torch.inference_mode():
+                states = {str(i): body(input_ids=torch.tensor([e.input_ids], device=model.device))
+                          .last_hidden_state[0].to("cpu", torch.float16) for i, e in enumerate(chunk)}
+            tmp = path.with_suffix(".tmp")
+            save_file(states, tmp)
+            tmp.rename(path)  # a part is either complete or absent
+        accelerator.wait_for_everyone()
+        for p in range(parts):
+            part = load_file(self.directory / f"part-{p:05d}.safetensors")
+            self.states.extend(part[str(i)] for i in range(len(part)))
+
+
+def batches_for_epoch(count: int, epoch: int, config: TrainConfig, accelerator: Accelerator) -> list[list[int]]:
+    """This process's batches of example indices: the epoch's shuffled order, sharded, equal counts."""
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(config.seed * 1000 + epoch)).tolist()
+    per_process = max(1, config.batch_size // accelerator.num_processes)
+    shard = order[accelerator.process_index :: accelerator.num_processes]
+    steps = (count // accelerator.num_processes) // per_process
+    return [shard[i * per_process : (i + 1) * per_process] for i in range(max(1, steps))]
+
+
+def collate(examples: list[Example], device, states: list[torch.Tensor] | None = None):
+    """Pad to the longest: (ids (B, T), labels (B, T), attention mask (B, T), cached hidden or None)."""
+    width = max(len(e.input_ids) for e in examples)
+    ids = torch.zeros(len(examples), width, dtype=torch.long)
+    labels = torch.full_like(ids, IGNORE)
+    mask = torch.zeros_like(ids)
+    hidden = None if states is None else torch.zeros(len(examples), width, states[0].shape[-1])
+    for i, e in enumerate(examples):
+        n = len(e.input_ids)
+        ids[i, :n], labels[i, :n], mask[i, :n] = torch.tensor(e.input_ids), torch.tensor(e.labels), 1
+        if states is not None:
+            hidden[i, :n] = states[i].float()
+    moved = [t.to(device) for t in (ids, labels, mask)]
+    return (*moved, None if hidden is None else hidden.to(device))
+
+
+class TrainModule(torch.nn.Module):
+    """Backbone + heads as one module, so that a DDP wrapper sees every trained parameter's forward."""
+
+    def __init__(self, base, heads, config: TrainConfig):
+        super().__init__()
+        self.base, self.heads, self.config = base, heads, config
+
+    def forward(self, ids, labels, mask, hidden=None, joint: bool = True):
+        """(loss, per-head stats) for one batch; `hidden` holds cached backbone states (Medusa-1)."""
+        config = self.config
+        if config.mode == "medusa1":
+            if hidden is None:
+                with torch.no_grad():
+                    hidden = adapter.decoder(self.base)(input_ids=ids, attention_mask=mask).last_hidden_state
+            return heads_loss(self.heads, hidden.float(), labels, config.decay)
+        out = self.base(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        hidden = out.hidden_states[-1]
+        h_loss, stats = heads_loss(self.heads, (hidden if joint else hidden.detach()).float(), labels, config.decay)
+        if not joint:
+            return h_loss, stats
+        if config.kl:
+            with torch.no_grad(), self.base.disable_adapter():
+                original = self.base(input_ids=ids, attention_mask=mask).logits
+            backbone = distill_kl(out.logits, original, labels)
+        else:
+            backbone = lm_loss(out.logits, labels)
+        return backbone + config.head_loss_weight * h_loss, stats
+
+
+class Trainer:
+    """Trains `model.heads` (and, for Medusa-2, LoRA adapters on `model.base_model`)."""
+
+    def __init__(self, model: MedusaModel, config: TrainConfig, out: str | Path, accelerator: Accelerator | None = None):
+        self.model, self.config, self.out = model, config, Path(out)
+        if accelerator is None:
+            from accelerate.utils import DistributedDataParallelKwargs
+
+            # Medusa-2's heads-only warm-up leaves the adapters without gradients for a while
+            unused = DistributedDataParallelKwargs(find_unused_parameters=config.mode == "medusa2")
+            accelerator = Accelerator(kwargs_handlers=[unused])
+        self.accelerator = accelerator
+        self.checkpoint_dir = self.out / "checkpoint"
+        torch.manual_seed(config.seed)
+        base = model.base_model
+        for p in base.parameters():
+            p.requires_grad_(False)
+        if config.mode == "medusa2":
+            from peft import LoraConfig, get_peft_model
+
+            lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=0.0,
+                              target_modules="all-linear")
+            base = get_peft_model(base, lora)
+        model.heads.float()  # heads train in fp32 whatever the base dtype
+        self.module = TrainModule(base, model.heads, config).to(accelerator.device)
+
+    def fit(self, train: list[Example], held_out: list[Example], resume: bool = False) -> dict:
+        acc, config = self.accelerator, self.config
+        if self.checkpoint_dir.exists() and not resume:
+            raise ValueError(f"{self.checkpoint_dir} exists: pass --resume to continue it, or choose another --out")
+        states = None
+        if config.mode == "medusa1" and config.cache_hidden:
+            cache = HiddenCache(self.out / "hidden-cache", {"base": self.model.base_name, "examples": len(train),
+                                                            "tokens": sum(len(e.input_ids) for e in train)})
+            cache.build(self.model, train, acc)
+            states = cache.states
+        steps_per_epoch = len(batches_for_epoch(len(train), 0, config, acc))
+        total_steps = steps_per_epoch * config.epochs
+        groups = [{"params": [p for p in self.module.heads.parameters() if p.requires_grad],
+                   "lr": config.lr * (config.heads_lr_multiplier if config.mode == "medusa2" else 1.0)}]
+        if config.mode == "medusa2":
+            groups.append({"params": [p for p in self.module.base.parameters() if p.requires_grad], "lr": config.lr})
+        optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
+        scheduler = get_cosine_schedule_with_warmup(optimizer, round(total_steps * config.warmup_ratio), total_steps)
+        module, optimizer, scheduler = acc.prepare(self.module, optimizer, scheduler)
+        position = {"epoch": 0, "step": 0, "global_step": 0}
+        if resume and self.checkpoint_dir.exists():
+            acc.load_state(str(self.checkpoint_dir))
+            position = json.loads((self.checkpoint_dir / "position.json").read_text())
+            acc.print(f"resuming at epoch {position['epoch'] + 1}, step {position['step']}")
+        history = json.loads((self.out / "history.json").read_text()) if resume and (self.out / "history.json").exists() else []
+        for epoch in range(position["epoch"], config.epochs):
+            batches = batches_for_epoch(len(train), epoch, config, acc)
+            bar = tqdm(total=len(batches), initial=position["step"], desc=f"epoch {epoch + 1}/{config.epochs}",
+                       disable=not acc.is_local_main_process)
+            started, tokens = time.perf_counter(), 0
+            for step in range(position["step"], len(batches)):
+                batch = [train[i] for i in batches[step]]
+                cached = [states[i] for i in batches[step]] if states is not None else None
+                joint = position["global_step"] >= config.heads_warmup_steps
+                loss, stats = module(*collate(batch, acc.device, cached), joint=joint)
+                acc.backward(loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+                tokens += sum(len(e.input_ids) for e in batch)
+                position = {"epoch": epoch, "step": step + 1, "global_step": position["global_step"] + 1}
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{stats[0, 0].item() / max(1, stats[0, 2].item()):.2f}",
+                                tok_s=f"{tokens / (time.perf_counter() - started):.0f}")
+                if position["global_step"] % config.checkpoint_every == 0:
+                    self._checkpoint(position, history)
+            bar.close()
+            accuracy = self.evaluate(held_out)
+            history.append({"epoch": epoch + 1, "seconds": time.perf_counter() - started, "train_tokens": tokens,
+                            "accuracy": accuracy})
+            acc.print(f"epoch {epoch + 1}: held-out top-1 / top-5 per head: "
+                      + ", ".join(f"{a['top1']:.3f}/{a['top5']:.3f}" for a in accuracy))
+            position = {"epoch": epoch + 1, "step": 0, "global_step": position["global_step"]}
+            self._checkpoint(position, history)
+        self._save(history)
+        return {"history": history}
+
+    @torch.no_grad()
+    def evaluate(self, examples: list[Example]) -> list[dict]:
+        """Per-head top-1 / top-5 accuracy on held-out examples."""
+        K = self.model.heads.config.num_heads
+        totals = torch.zeros(K, 3, dtype=torch.long)
+        body = adapter.decoder(self.model.base_model)
+        for start in range(0, len(examples), 8):
+            ids, labels, mask, _ = collate(examples[start : start + 8], self.accelerator.device)
+            hidden = body(input_ids=ids, attention_mask=mask).last_hidden_state
+            totals += heads_loss(self.model.heads, hidden.float(), labels, self.config.decay)[1]
+        return [{"top1": t[0].item() / max(1, t[2].item()), "top5": t[1].item() / max(1, t[2].item()),
+                 "targets": t[2].item()} for t in totals]
+
+    def _checkpoint(self, position: dict, history: list) -> None:
+        acc = self.accelerator
+        acc.save_state(str(self.checkpoint_dir))
+        if acc.is_main_process:
+            (self.checkpoint_dir / "position.json").write_text(json.dumps(position))
+            (self.out / "history.json").write_text(json.dumps(history, indent=1))
+        acc.wait_for_everyone()
+
+    def _save(self, history: list) -> None:
+        """The native heads folder (+ the LoRA adapter or merged backbone for Medusa-2)."""
+        acc = self.accelerator
+        if not acc.is_main_process:
+            return
+        extra = {"training": asdict(self.config), "history": history}
+        if self.config.mode == "medusa2":
+            peft_model = self.module.base
+            if self.config.merge:
+                merged = peft_model.merge_and_unload()
+                merged.save_pretrained(self.out / "model")
+                self.model.require_tokenizer().save_pretrained(self.out / "model")
+                extra["backbone"] = "merged"
+            else:
+                peft_model.save_pretrained(self.out / "adapter")
+                extra["backbone"] = "adapter"
+        save_heads(self.model.heads, self.out, base_model=self.model.base_name, **extra)
+
