@@ -173,11 +173,13 @@ def report_markdown(result: dict) -> str:
     summary, settings, env = result["summary"], result["settings"], result["environment"]
     methods = list(summary["methods"])
     categories = sorted({c for m in summary["methods"].values() for c in m} - {"overall"})
+    machine = env["processor"] or env["machine"]
     lines = [f"# Benchmark: {env['model']}", "",
              f"{settings['questions']} questions, {settings['max_new_tokens']} new tokens max, greedy, batch 1, "
-             f"median of {settings['repeats']}; {env['device']} ({env['cpus']} threads, {env['processor'] or env['machine']}), "
+             f"median of {settings['repeats']}; {env['device']} ({env['cpus']} threads, {machine}), "
              f"torch {env['torch']}, transformers {env['transformers']}.", "",
-             "| method | tok/s | speed-up vs hf | mean accepted length | new tokens |", "| --- | ---: | ---: | ---: | ---: |"]
+             "| method | tok/s | speed-up vs hf | mean accepted length | new tokens |",
+             "| --- | ---: | ---: | ---: | ---: |"]
     for m in methods:
         s = summary["methods"][m]["overall"]
         speedup = f"{s['speedup']:.2f}x" if s["speedup"] else "-"
@@ -205,7 +207,7 @@ def plot(result: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     summary = result["summary"]["methods"]
-    categories = sorted({c for m in summary.values() for c in m} - {"overall"}) + ["overall"]
+    categories = [*sorted({c for m in summary.values() for c in m} - {"overall"}), "overall"]
     fig, ax = plt.subplots(figsize=(max(6, len(categories) * 1.2), 4))
     width = 0.8 / max(1, len(summary))
     for i, (method, per_category) in enumerate(summary.items()):

@@ -137,8 +137,10 @@ def cmd_train(args: argparse.Namespace) -> None:
     train, held_out, skipped = prepare_examples(model, args.data, config)
     if skipped:
         print(f"skipped {skipped} malformed records")
-    Trainer(model, config, args.out).fit(train, held_out, resume=args.resume)
-    print(f"heads saved in {args.out}")
+    trainer = Trainer(model, config, args.out)
+    trainer.fit(train, held_out, resume=args.resume)
+    if trainer.accelerator.is_main_process:
+        print(f"heads saved in {args.out}")
 
 
 def setup_train(p: argparse.ArgumentParser) -> None:

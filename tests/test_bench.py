@@ -33,7 +33,7 @@ def result(tmp_path_factory):
 
 
 def test_files_and_schema(result):
-    res, out = result
+    _, out = result
     assert {p.name for p in out.iterdir()} >= {"results.json", "report.md", "speedup.png", "accepted_lengths.png",
                                                  "head_accuracy.png"}
     saved = json.loads((out / "results.json").read_text())

@@ -70,7 +70,8 @@ def completed_ids(out: Path) -> set[str]:
         try:
             done.add(json.loads(line)["id"])
         except (json.JSONDecodeError, KeyError) as err:
-            raise DataError(f"{out}:{number}: not a distilled record ({err}); move the file away to start over") from err
+            raise DataError(f"{out}:{number}: not a distilled record ({err}); move the file away to start over"
+                            ) from err
     return done
 
 

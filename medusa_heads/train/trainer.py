@@ -168,14 +168,16 @@ class TrainModule(torch.nn.Module):
 class Trainer:
     """Trains `model.heads` (and, for Medusa-2, LoRA adapters on `model.base_model`)."""
 
-    def __init__(self, model: MedusaModel, config: TrainConfig, out: str | Path, accelerator: Accelerator | None = None):
+    def __init__(self, model: MedusaModel, config: TrainConfig, out: str | Path,
+                 accelerator: Accelerator | None = None):
         self.model, self.config, self.out = model, config, Path(out)
         if accelerator is None:
             from accelerate.utils import DistributedDataParallelKwargs
 
             # Medusa-2's heads-only warm-up leaves the adapters without gradients for a while
             unused = DistributedDataParallelKwargs(find_unused_parameters=config.mode == "medusa2")
-            accelerator = Accelerator(kwargs_handlers=[unused])
+            # cpu=True is what lets accelerate run several CPU processes (gloo) under torchrun
+            accelerator = Accelerator(cpu=model.device.type == "cpu", kwargs_handlers=[unused])
         self.accelerator = accelerator
         self.checkpoint_dir = self.out / "checkpoint"
         torch.manual_seed(config.seed)
@@ -210,12 +212,15 @@ class Trainer:
         optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
         scheduler = get_cosine_schedule_with_warmup(optimizer, round(total_steps * config.warmup_ratio), total_steps)
         module, optimizer, scheduler = acc.prepare(self.module, optimizer, scheduler)
+        acc.print(f"{config.mode}: {len(train)} conversations, {steps_per_epoch} steps per epoch on "
+                  f"{acc.num_processes} process(es) ({type(module).__name__})")
         position = {"epoch": 0, "step": 0, "global_step": 0}
         if resume and self.checkpoint_dir.exists():
             acc.load_state(str(self.checkpoint_dir))
             position = json.loads((self.checkpoint_dir / "position.json").read_text())
             acc.print(f"resuming at epoch {position['epoch'] + 1}, step {position['step']}")
-        history = json.loads((self.out / "history.json").read_text()) if resume and (self.out / "history.json").exists() else []
+        history_file = self.out / "history.json"
+        history = json.loads(history_file.read_text()) if resume and history_file.exists() else []
         for epoch in range(position["epoch"], config.epochs):
             batches = batches_for_epoch(len(train), epoch, config, acc)
             bar = tqdm(total=len(batches), initial=position["step"], desc=f"epoch {epoch + 1}/{config.epochs}",
@@ -233,7 +238,8 @@ class Trainer:
                 tokens += sum(len(e.input_ids) for e in batch)
                 position = {"epoch": epoch, "step": step + 1, "global_step": position["global_step"] + 1}
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{stats[0, 0].item() / max(1, stats[0, 2].item()):.2f}",
+                top1 = stats[0, 0].item() / max(1, stats[0, 2].item())
+                bar.set_postfix(loss=f"{loss.item():.3f}", head1_top1=f"{top1:.2f}",
                                 tok_s=f"{tokens / (time.perf_counter() - started):.0f}")
                 if position["global_step"] % config.checkpoint_every == 0:
                     self._checkpoint(position, history)

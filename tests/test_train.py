@@ -1,0 +1,129 @@
+"""Training: labels, loss shifts, frozen backbone, LoRA-only changes, resume after a crash."""
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_model
+from tiny import tiny_tokenizer
+
+from medusa_heads import MedusaModel
+from medusa_heads.train.data import IGNORE, DataError, Example, read_conversations, tokenize
+from medusa_heads.train.trainer import TrainConfig, Trainer, TrainModule
+
+
+def test_labels_cover_only_assistant_tokens():
+    tok = tiny_tokenizer()
+    messages = [{"role": "system", "content": "a"}, {"role": "user", "content": "b c"},
+                {"role": "assistant", "content": "d e"}, {"role": "user", "content": "f"},
+                {"role": "assistant", "content": "g"}]
+    ex = tokenize(tok, messages, max_length=100)
+    words = tok.convert_ids_to_tokens(ex.input_ids)
+    learned = [w for w, label in zip(words, ex.labels, strict=True) if label != IGNORE]
+    assert learned == ["d", "e", "</s>", "g", "</s>"]
+    assert all(label in (IGNORE, i) for label, i in zip(ex.labels, ex.input_ids, strict=True))
+    assert tokenize(tok, messages, max_length=7).input_ids == ex.input_ids[:7]
+
+
+def test_both_record_forms_and_bad_records(tmp_path):
+    good = [{"conversations": [{"from": "human", "value": "b"}, {"from": "gpt", "value": "c"}]},
+            {"messages": [{"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]}]
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in good) + "\n{broken\n" + json.dumps({"messages": []}) + "\n")
+    with pytest.raises(DataError, match=r"d.jsonl:3: not valid JSON"):
+        read_conversations(path)
+    conversations, skipped = read_conversations(path, skip_bad=True)
+    assert skipped == 2 and conversations[0] == conversations[1]
+    array = tmp_path / "d.json"
+    array.write_text(json.dumps([good[0], {"conversations": [{"from": "robot", "value": "x"}]}]))
+    with pytest.raises(DataError, match=r"d.json: record 2: turn 0 has unknown role 'robot'"):
+        read_conversations(array)
+
+
+def counting_examples(count: int, length: int = 24, seed: int = 0) -> list[Example]:
+    """Sequences that count upward through tokens 6..15 (cyclic): token t+k+2 follows from token t."""
+    generator = torch.Generator().manual_seed(seed)
+    examples = []
+    for _ in range(count):
+        start = int(torch.randint(0, 10, (1,), generator=generator))
+        ids = [6 + (start + i) % 10 for i in range(length)]
+        examples.append(Example(ids, list(ids)))
+    return examples
+
+
+def tiny_medusa(projection="own", num_heads=3):
+    base = tiny_model("llama").float()
+    model = MedusaModel.from_pretrained(base, num_heads=num_heads, projection=projection, tokenizer=tiny_tokenizer())
+    return model
+
+
+def test_heads_learn_the_right_offsets(tmp_path):
+    model = tiny_medusa()
+    before = {k: v.clone() for k, v in model.base_model.state_dict().items()}
+    config = TrainConfig(num_heads=3, epochs=8, lr=1e-2, batch_size=8, checkpoint_every=10_000)
+    result = Trainer(model, config, tmp_path).fit(counting_examples(96), counting_examples(16, seed=1))
+    accuracy = result["history"][-1]["accuracy"]
+    assert all(a["top1"] > 0.6 for a in accuracy), accuracy  # chance is 0.1
+    # checked without the training code's shift: head k at the last position names token t + k + 2
+    seq = torch.tensor([[6, 7, 8, 9, 10, 11]])
+    hidden = model.base_model.model(input_ids=seq).last_hidden_state[:, -1]
+    guesses = model.heads(hidden).argmax(-1)[:, 0].tolist()
+    assert guesses == [13, 14, 15]  # the base model itself would have to say 12
+    after = model.base_model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # Medusa-1: backbone bit-identical
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["history"][-1]["accuracy"][0]["top1"] == accuracy[0]["top1"]
+    reloaded = MedusaModel.from_pretrained(model.base_model, heads=tmp_path)
+    assert torch.equal(reloaded.heads(hidden), model.heads(hidden))
+
+
+def test_medusa2_lora_changes_only_adapters_and_heads(tmp_path):
+    model = tiny_medusa(projection="shared")
+    base_before = {k: v.clone() for k, v in model.base_model.state_dict().items()}
+    heads_before = {k: v.clone() for k, v in model.heads.state_dict().items()}
+    config = TrainConfig(mode="medusa2", num_heads=3, epochs=2, lr=1e-2, batch_size=8, heads_warmup_steps=2,
+                         kl=True, checkpoint_every=10_000)
+    Trainer(model, config, tmp_path).fit(counting_examples(32), counting_examples(8, seed=1))
+    state = model.base_model.state_dict()
+    lora = [k for k in state if "lora_" in k]
+    assert lora and any(not torch.equal(state[k], torch.zeros_like(state[k])) for k in lora if "lora_B" in k)
+    for key, value in base_before.items():  # every original weight is untouched
+        name = key.replace(".weight", ".base_layer.weight") if key not in state else key
+        assert torch.equal(state.get(key, state.get(name)), value), key
+    assert any(not torch.equal(heads_before[k], v) for k, v in model.heads.state_dict().items())
+    assert (tmp_path / "adapter" / "adapter_config.json").exists()
+    fresh = tiny_model("llama").float()
+    loaded = MedusaModel.from_pretrained(fresh, heads=tmp_path)  # applies the adapter found beside the heads
+    ids = torch.tensor([[6, 7, 8, 9]])
+    assert torch.allclose(loaded.base_model(ids).logits, model.base_model(ids).logits, atol=1e-5)
+
+
+def test_resume_after_a_crash_gives_the_same_heads(tmp_path, monkeypatch):
+    config = TrainConfig(num_heads=2, epochs=3, lr=5e-3, batch_size=4, checkpoint_every=3)
+    train, held = counting_examples(20), counting_examples(4, seed=1)
+    straight = tiny_medusa(num_heads=2)
+    Trainer(straight, config, tmp_path / "straight").fit(train, held)
+
+    calls = {"n": 0}
+    forward = TrainModule.forward
+
+    def crash_at_step_8(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 8:
+            raise KeyboardInterrupt("killed")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(TrainModule, "forward", crash_at_step_8)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(tiny_medusa(num_heads=2), config, tmp_path / "crashed").fit(train, held)
+    monkeypatch.setattr(TrainModule, "forward", forward)
+    position = json.loads((tmp_path / "crashed" / "checkpoint" / "position.json").read_text())
+    assert position["global_step"] == 6  # the last checkpoint before the crash
+    with pytest.raises(ValueError, match="pass --resume"):
+        Trainer(tiny_medusa(num_heads=2), config, tmp_path / "crashed").fit(train, held)
+    resumed = tiny_medusa(num_heads=2)
+    Trainer(resumed, config, tmp_path / "crashed").fit(train, held, resume=True)
+    for key, value in straight.heads.state_dict().items():
+        assert torch.equal(resumed.heads.state_dict()[key], value), key
+    history = json.loads((tmp_path / "crashed" / "config.json").read_text())["history"]
+    assert [h["epoch"] for h in history] == [1, 2, 3]
