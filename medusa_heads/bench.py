@@ -27,8 +27,9 @@ PLD_TOKENS = 10  # prompt_lookup_num_tokens for hf-pld, transformers' documented
 REFERENCE = "hf"
 
 
-def load_questions(path: str | Path, limit: int | None = None) -> list[dict]:
-    """Spec-Bench JSONL: one {"question_id", "category", "turns": [...]} per line."""
+def load_questions(path: str | Path, limit: int | None = None, per_category: int | None = None) -> list[dict]:
+    """Spec-Bench JSONL: one {"question_id", "category", "turns": [...]} per line; optionally only the
+    first `per_category` questions of each category, then the first `limit`."""
     questions = []
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
@@ -44,6 +45,13 @@ def load_questions(path: str | Path, limit: int | None = None) -> list[dict]:
                           "turns": turns})
     if not questions:
         raise ValueError(f"{path} holds no questions")
+    if per_category:
+        kept, seen = [], defaultdict(int)
+        for q in questions:
+            seen[q["category"]] += 1
+            if seen[q["category"]] <= per_category:
+                kept.append(q)
+        questions = kept
     return questions[:limit] if limit else questions
 
 
@@ -247,10 +255,11 @@ def plot(result: dict, out: Path) -> None:
 
 
 def bench(model, questions_file: str | Path, methods: list[str | Method], out: str | Path, max_new_tokens: int = 256,
-          limit: int | None = None, repeats: int = 1, max_turns: int | None = None) -> dict:
+          limit: int | None = None, repeats: int = 1, max_turns: int | None = None,
+          per_category: int | None = None) -> dict:
     """The whole benchmark: run, summarise, measure head accuracy on the reference answers, write the report."""
     model.require_tokenizer()
-    questions = load_questions(questions_file, limit)
+    questions = load_questions(questions_file, limit, per_category)
     runners = [m if isinstance(m, Method) else Method(m, model) for m in methods]  # bad names fail before any work
     names = [r.name for r in runners]
     reference = REFERENCE if REFERENCE in names else names[0]

@@ -87,7 +87,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     model = load_model(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     result = bench(model, args.questions, methods, args.out, args.max_new_tokens, args.limit, args.repeats,
-                   args.max_turns)
+                   args.max_turns, args.per_category)
     print((Path(args.out) / "report.md").read_text())
     if result["summary"]["mismatches"]:
         print(f"{len(result['summary']['mismatches'])} outputs differ from the reference: see report.md")
@@ -100,6 +100,7 @@ def setup_bench(p: argparse.ArgumentParser) -> None:
                    help="comma-separated: hf, hf-pld, plain, medusa, medusa:TREE (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--limit", type=int, default=None, help="first Q questions only")
+    p.add_argument("--per-category", type=int, default=None, help="first N questions of each category only")
     p.add_argument("--repeats", type=int, default=1, help="time each answer R times, keep the median")
     p.add_argument("--max-turns", type=int, default=None, help="answer only the first N turns of each question")
     p.add_argument("--out", required=True, help="folder for results.json, report.md and the plots")
@@ -175,6 +176,20 @@ def setup_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--merge", action="store_true", help="Medusa-2: save a merged model instead of the adapter")
 
 
+def cmd_export(args: argparse.Namespace) -> None:
+    from .io import export_heads
+
+    model = load_model(args)
+    out = export_heads(model.heads, args.out, args.format, model.base_name)
+    print(f"{out}: {args.format} layout written; see {out / 'README.md'} for the serving command")
+
+
+def setup_export(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument("--format", required=True, choices=["vllm", "tgi", "medusa"])
+    p.add_argument("--out", required=True, help="folder to write")
+
+
 def setup_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt")
     add_model_args(p)
@@ -194,6 +209,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "bench": ("Spec-Bench-style benchmark of Medusa against the peers", setup_bench, cmd_bench),
     "distill": ("self-distillation: the model answers prompts itself (resumable)", setup_distill, cmd_distill),
     "train": ("train heads: Medusa-1 (frozen backbone) or Medusa-2 (LoRA backbone)", setup_train, cmd_train),
+    "export": ("write heads for vLLM, TGI or the original Medusa code", setup_export, cmd_export),
     "demo": ("answer a few prompts with the default model: plain vs Medusa speed", setup_demo, cmd_demo),
 }
 

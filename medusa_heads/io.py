@@ -1,4 +1,4 @@
-"""The native heads folder: config.json + model.safetensors, loaded strictly."""
+"""Heads folders: the native one (config.json + model.safetensors), and foreign layouts, loaded strictly."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from . import formats
 from .heads import HeadsConfig, MedusaHeads
 
 FORMAT = "medusa-heads"
@@ -18,6 +19,17 @@ WEIGHTS_FILE = "model.safetensors"
 
 class HeadsFormatError(ValueError):
     """A heads checkpoint that cannot be used with this model."""
+
+
+def folder_format(directory: str | Path) -> str:
+    """'native', 'original', 'medusa2' or 'vllm'."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise HeadsFormatError(f"heads folder {directory} does not exist")
+    try:
+        return formats.detect(directory)
+    except formats.ForeignFormatError as err:
+        raise HeadsFormatError(str(err)) from err
 
 
 def save_heads(heads: MedusaHeads, directory: str | Path, base_model: str = "", **extra) -> Path:
@@ -50,18 +62,15 @@ def read_config(directory: str | Path) -> dict:
 
 
 def load_heads(directory: str | Path, lm_head: torch.nn.Module) -> MedusaHeads:
-    """Build heads for a base whose lm_head is given and fill them from a native folder, strictly."""
+    """Build heads for a base whose lm_head is given and fill them from a heads folder, strictly."""
     directory = Path(directory)
+    kind = folder_format(directory)
+    if kind != "native":
+        return _load_foreign(directory, kind, lm_head)
     raw = read_config(directory)
     fields = HeadsConfig.__dataclass_fields__
     config = HeadsConfig(**{k: v for k, v in raw.items() if k in fields})
-    vocab, hidden = lm_head.weight.shape
-    if (config.hidden_size, config.vocab_size) != (hidden, vocab):
-        raise HeadsFormatError(
-            f"heads in {directory} were made for hidden size {config.hidden_size} and vocabulary "
-            f"{config.vocab_size}, but this base model has {hidden} and {vocab}: they belong to another base "
-            f"({raw.get('base_model') or 'unknown'})"
-        )
+    _check_sizes(config, lm_head, directory, raw.get("base_model"))
     weights = directory / WEIGHTS_FILE
     if not weights.exists():
         raise HeadsFormatError(f"{directory} has no {WEIGHTS_FILE}")
@@ -72,6 +81,34 @@ def load_heads(directory: str | Path, lm_head: torch.nn.Module) -> MedusaHeads:
     heads = MedusaHeads(config, lm_head)
     load_strict(heads, state, source=str(weights))
     return heads
+
+
+def _load_foreign(directory: Path, kind: str, lm_head: torch.nn.Module) -> MedusaHeads:
+    try:
+        state, num_heads, num_layers, own = formats.read_foreign(directory, kind)
+    except formats.ForeignFormatError as err:
+        raise HeadsFormatError(str(err)) from err
+    except Exception as err:  # a damaged weights file
+        raise HeadsFormatError(f"cannot read the heads in {directory}: {err}") from err
+    first = state.get("blocks.0.0.linear.weight", state.get("projections.0.weight"))
+    hidden = first.shape[-1] if first is not None else lm_head.weight.shape[1]
+    vocab = state["projections.0.weight"].shape[0] if own and "projections.0.weight" in state else (
+        lm_head.weight.shape[0])
+    config = HeadsConfig(num_heads, num_layers, "own" if own else "shared", hidden_size=hidden, vocab_size=vocab)
+    _check_sizes(config, lm_head, directory, None)
+    heads = MedusaHeads(config, lm_head)
+    load_strict(heads, state, source=f"{directory} ({kind} layout)")
+    return heads
+
+
+def _check_sizes(config: HeadsConfig, lm_head: torch.nn.Module, directory: Path, made_for: str | None) -> None:
+    vocab, hidden = lm_head.weight.shape
+    if (config.hidden_size, config.vocab_size) != (hidden, vocab):
+        raise HeadsFormatError(
+            f"heads in {directory} were made for hidden size {config.hidden_size} and vocabulary "
+            f"{config.vocab_size}, but this base model has {hidden} and {vocab}: they belong to another base "
+            f"({made_for or 'unknown'})"
+        )
 
 
 def load_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
@@ -88,3 +125,12 @@ def load_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], source:
     if problems:
         raise HeadsFormatError(f"{source} does not fit these heads: " + "; ".join(problems))
     module.load_state_dict(state, strict=True)
+
+
+def export_heads(heads: MedusaHeads, out: str | Path, fmt: str, base_model: str = "") -> Path:
+    """Write heads for a serving engine: 'vllm', 'tgi' or 'medusa' (the original layout)."""
+    config = heads.config
+    if fmt == "tgi" and config.projection == "shared" and config.num_layers != 1:
+        raise ValueError("TGI reads shared-projection heads (Medusa 'version 2') with exactly one layer")
+    shared = heads.base_lm_head.weight if config.projection == "shared" else None
+    return formats.export(heads.state_dict(), config.num_heads, config.num_layers, shared, Path(out), fmt, base_model)

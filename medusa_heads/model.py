@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -137,9 +138,9 @@ def _try_tokenizer(name: str, **kwargs: Any):
 
 
 def _warn_other_base(heads_dir: str | Path, base_model: PreTrainedModel) -> None:
-    from .io import read_config
-
-    made_for = read_config(heads_dir).get("base_model") or ""
+    file = Path(heads_dir) / "config.json"
+    config = json.loads(file.read_text()) if file.exists() else {}
+    made_for = str(config.get("base_model") or config.get("base_model_name_or_path") or "")
     name = str(base_model.name_or_path or "")
     if made_for and name and Path(made_for).name != Path(name).name:
         warnings.warn(f"heads in {heads_dir} were trained for {made_for!r}, loading them on {name!r}", stacklevel=3)

@@ -60,6 +60,14 @@ def test_greedy_methods_match_and_wrong_is_reported(result):
     assert "wrong differs on question 1 turn 0 from token 0" in (out / "report.md").read_text()
 
 
+def test_question_selection(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text("\n".join(json.dumps({"question_id": i, "category": "ab"[i % 2], "turns": ["x"]})
+                              for i in range(10)))
+    assert [q["question_id"] for q in load_questions(path, per_category=2)] == [0, 1, 2, 3]
+    assert [q["question_id"] for q in load_questions(path, limit=3, per_category=2)] == [0, 1, 2]
+
+
 def test_bad_question_file_names_the_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"turns": ["ok"]}\n{"question_id": 2}\n')
