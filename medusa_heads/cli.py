@@ -190,6 +190,26 @@ def setup_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="folder to write")
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from .serve.app import create_app
+
+    app = create_app(load_model(args), args.max_concurrency, args.max_queue, args.max_new_tokens_limit)
+    print(f"serving on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def setup_serve(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-concurrency", type=int, default=4, help="requests decoded at once")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait; beyond that: 429")
+    p.add_argument("--max-new-tokens-limit", type=int, default=2048, help="largest max_tokens accepted")
+    p.add_argument("--log-level", default="warning")
+
+
 def setup_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt")
     add_model_args(p)
@@ -210,6 +230,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "distill": ("self-distillation: the model answers prompts itself (resumable)", setup_distill, cmd_distill),
     "train": ("train heads: Medusa-1 (frozen backbone) or Medusa-2 (LoRA backbone)", setup_train, cmd_train),
     "export": ("write heads for vLLM, TGI or the original Medusa code", setup_export, cmd_export),
+    "serve": ("OpenAI-compatible HTTP server (chat, completions, streaming)", setup_serve, cmd_serve),
     "demo": ("answer a few prompts with the default model: plain vs Medusa speed", setup_demo, cmd_demo),
 }
 

@@ -29,6 +29,7 @@ class GenerationOutput:
     new_tokens: list[list[int]]  # per row, the generated tokens
     accept_lengths: list[list[int]]  # per row, tokens emitted at each step (prefill = 1), bonus included
     texts: list[str] | None = None  # per row, decoded new text, cut before any stop string
+    finish_reasons: list[str] = field(default_factory=list)  # per row: "stop" (EOS / stop string) or "length"
     elapsed: float = 0.0  # seconds, prefill included
 
     @property
@@ -49,7 +50,7 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     accept_lengths: list[int] = field(default_factory=list)
     stop_at: int | None = None  # character offset of a stop string in the decoded text
-    done: bool = False
+    finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length" once done
 
 
 class Decoder:
@@ -173,24 +174,25 @@ class Decoder:
             for token in tokens[:count]:
                 row.tokens.append(token)
                 row.accept_lengths[-1] += 1
-                if self._finished(row):
-                    row.done = True
+                row.finish_reason = self._finish_reason(row)
+                if row.finish_reason:
                     break
-            if not row.done:
+            if not row.finish_reason:
                 keep.append(b)
         if len(keep) < len(self.active):
             self._keep(keep)
 
-    def _finished(self, row: _Row) -> bool:
-        if row.tokens[-1] in self.eos or len(row.tokens) >= self.max_new_tokens:
-            return True
+    def _finish_reason(self, row: _Row) -> str | None:
+        """Why the row ends after its last token: "stop", "length", or None (it goes on)."""
+        if row.tokens[-1] in self.eos:
+            return "stop"
         if self.stop:
             window = self.model.tokenizer.decode(row.tokens[-_STOP_WINDOW:], skip_special_tokens=True)
             if any(s in window for s in self.stop):
                 text = self.model.tokenizer.decode(row.tokens, skip_special_tokens=True)
                 row.stop_at = min(i for s in self.stop if (i := text.find(s)) >= 0)
-                return True
-        return False
+                return "stop"
+        return "length" if len(row.tokens) >= self.max_new_tokens else None
 
     def _keep(self, keep: list[int]) -> None:
         """Shrink the batch to the rows at positions `keep`."""
@@ -211,6 +213,7 @@ class Decoder:
             new_tokens=[r.tokens for r in self.rows],
             accept_lengths=[r.accept_lengths for r in self.rows],
             texts=texts,
+            finish_reasons=[r.finish_reason for r in self.rows],
             elapsed=elapsed,
         )
 
@@ -248,7 +251,7 @@ def generate(
     or a list of paths; None picks the default tree (or the deepest chain the heads allow).
     stop: strings that end generation; eos_token_id: defaults to the model's.
     """
-    decoder = _decoder(model, input_ids, attention_mask, max_new_tokens, acceptance, temperature, top_p, tree, stop,
+    decoder = make_decoder(model, input_ids, attention_mask, max_new_tokens, acceptance, temperature, top_p, tree, stop,
                        eos_token_id, seed, epsilon, delta)
     start = time.perf_counter()
     for _ in decoder.steps():
@@ -258,25 +261,37 @@ def generate(
     return decoder.output(time.perf_counter() - start)
 
 
+class TextDeltas:
+    """The new text of one row since the last call, holding back what may still change: the tail
+    that could grow into a stop string, and an incomplete multi-byte character."""
+
+    def __init__(self, decoder: Decoder, row: int = 0):
+        self.decoder, self.row, self.sent = decoder, row, ""
+        self.hold = max((len(s) for s in decoder.stop), default=1) - 1
+
+    def __call__(self) -> str:
+        text = self.decoder.text(self.row)
+        if not self.decoder.rows[self.row].finish_reason:
+            text = text[: len(text) - self.hold].rstrip("\ufffd")
+        if len(text) <= len(self.sent) or not text.startswith(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent) :], text
+        return delta
+
+
 def stream(model, input_ids: torch.Tensor, **kwargs) -> Iterator[str]:
     """Like `generate` for one prompt, but yields the decoded text as it grows (stop strings cut)."""
     if input_ids.shape[0] != 1:
         raise ValueError("stream() takes one prompt; use generate() for a batch")
     model.require_tokenizer()
-    decoder = _decoder(model, input_ids, None, **kwargs)
-    longest_stop = max((len(s) for s in decoder.stop), default=0)
-    sent = ""
+    decoder = make_decoder(model, input_ids, None, **kwargs)
+    deltas = TextDeltas(decoder)
     for _ in decoder.steps():
-        text = decoder.text(0)
-        if not decoder.rows[0].done:
-            text = text[: len(text) - max(0, longest_stop - 1)]  # could still become a stop string
-            text = text.rstrip("\ufffd")  # an incomplete multi-byte character
-        if len(text) > len(sent) and text.startswith(sent):
-            yield text[len(sent):]
-            sent = text
+        if delta := deltas():
+            yield delta
 
 
-def _decoder(model, input_ids, attention_mask, max_new_tokens=256, acceptance="greedy", temperature=1.0, top_p=1.0,
+def make_decoder(model, input_ids, attention_mask, max_new_tokens=256, acceptance="greedy", temperature=1.0, top_p=1.0,
              tree=None, stop=None, eos_token_id=None, seed=None, epsilon=0.09, delta=0.3) -> Decoder:
     sampling = Sampling(acceptance, temperature, top_p, epsilon, delta)
     stops = [stop] if isinstance(stop, str) else list(stop or [])

@@ -1,0 +1,94 @@
+"""OpenAI-compatible request and response bodies (the subset this server honours, validated)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by chat and text completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1, description="new tokens at most")
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="0 decodes greedily")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = Field(default=None, description="up to 4 strings that end the answer")
+    seed: int | None = None
+    n: int = Field(default=1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    acceptance: Literal["exact", "typical"] | None = Field(
+        default=None, description="sampling (temperature > 0): exact (default, lossless) or typical (faster)")
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value):
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop takes up to 4 non-empty strings")
+        return stops
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value):
+        if value != 1:
+            raise ValueError("only n=1 is supported")
+        return value
+
+
+class ChatRequest(SamplingFields):
+    messages: list[Message] = Field(min_length=1)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value):
+        if isinstance(value, list):
+            if len(value) != 1:
+                raise ValueError("send exactly one prompt")
+            value = value[0]
+        if not value:
+            raise ValueError("the prompt is empty")
+        return value
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    mean_accepted_length: float  # tokens per decoding step, bonus included (1.0 = plain decoding)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
