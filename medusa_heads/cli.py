@@ -210,6 +210,18 @@ def setup_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="warning")
 
 
+def cmd_chat(args: argparse.Namespace) -> None:
+    from .chat import run_chat
+
+    kwargs = decoding_kwargs(args)
+    run_chat(load_model(args), kwargs)
+
+
+def setup_chat(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    add_decoding_args(p)
+
+
 def setup_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt")
     add_model_args(p)
@@ -230,6 +242,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "distill": ("self-distillation: the model answers prompts itself (resumable)", setup_distill, cmd_distill),
     "train": ("train heads: Medusa-1 (frozen backbone) or Medusa-2 (LoRA backbone)", setup_train, cmd_train),
     "export": ("write heads for vLLM, TGI or the original Medusa code", setup_export, cmd_export),
+    "chat": ("chat in the terminal, streaming, with speed statistics", setup_chat, cmd_chat),
     "serve": ("OpenAI-compatible HTTP server (chat, completions, streaming)", setup_serve, cmd_serve),
     "demo": ("answer a few prompts with the default model: plain vs Medusa speed", setup_demo, cmd_demo),
 }

@@ -82,7 +82,8 @@ def create_app(model, max_concurrency: int = 4, max_queue: int = 64, max_new_tok
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "medusa-heads"}]}
+        card = {"id": model_id, "object": "model", "created": 0, "owned_by": "medusa-heads"}
+        return {"object": "list", "data": [card]}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest):

@@ -1,0 +1,32 @@
+"""Schemathesis drives the server from its own OpenAPI schema: no request may cause a 5xx."""
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis.checks import not_a_server_error
+from server import Server
+from tiny import tiny_model, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory):
+    base = tmp_path_factory.mktemp("fuzz")
+    tiny_model("llama").float().save_pretrained(base)
+    tiny_tokenizer().save_pretrained(base)
+    server = Server(base, "--max-new-tokens-limit", "16")
+    yield server
+    server.stop()
+
+
+def test_no_server_errors(api):
+    schema = schemathesis.openapi.from_url(api.url + "/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"}
+    for operation in operations:
+
+        @given(case=operation.as_strategy())
+        @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        def check(case):
+            case.call_and_validate(checks=[not_a_server_error], timeout=30)
+
+        check()
