@@ -31,7 +31,7 @@ def load_questions(path: str | Path, limit: int | None = None, per_category: int
     """Spec-Bench JSONL: one {"question_id", "category", "turns": [...]} per line; optionally only the
     first `per_category` questions of each category, then the first `limit`."""
     questions = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for number, line in enumerate(Path(path).read_text().split("\n"), 1):  # not splitlines(): see train/data.py
         if not line.strip():
             continue
         try:
@@ -163,7 +163,7 @@ def environment(model) -> dict:
             "cpus": torch.get_num_threads(), "device": str(model.device),
             "cuda": torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None,
             "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "model": model.base_name,
+            "transformers": transformers.__version__, "model": Path(model.base_name).name,
             "heads": model.heads.config.to_dict(), "dtype": str(model.base_model.dtype)}
 
 

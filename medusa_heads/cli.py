@@ -109,7 +109,7 @@ def setup_bench(p: argparse.ArgumentParser) -> None:
 def cmd_distill(args: argparse.Namespace) -> None:
     from .train.distill import distill, endpoint_answerer, local_answerer, read_prompts
 
-    prompts = read_prompts(args.prompts)
+    prompts = read_prompts(args.prompts)[: args.limit]
     if args.endpoint:
         answer = endpoint_answerer(args.endpoint, args.model, args.max_new_tokens, args.temperature, args.batch_size)
     else:
@@ -128,6 +128,7 @@ def setup_distill(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", help="OpenAI-compatible base URL (e.g. http://host:8000/v1) instead of local")
     p.add_argument("--model", help="model name at the endpoint (default: the first it lists)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
 
 
 def cmd_train(args: argparse.Namespace) -> None:

@@ -127,3 +127,11 @@ def test_resume_after_a_crash_gives_the_same_heads(tmp_path, monkeypatch):
         assert torch.equal(resumed.heads.state_dict()[key], value), key
     history = json.loads((tmp_path / "crashed" / "config.json").read_text())["history"]
     assert [h["epoch"] for h in history] == [1, 2, 3]
+
+
+def test_unicode_line_separators_inside_strings(tmp_path):
+    path = tmp_path / "d.jsonl"
+    record = {"messages": [{"role": "user", "content": "a\u2028b\x0cc"}, {"role": "assistant", "content": "d"}]}
+    path.write_text(json.dumps(record, ensure_ascii=False) + "\n")
+    conversations, _ = read_conversations(path)
+    assert conversations[0][0]["content"] == "a\u2028b\x0cc"

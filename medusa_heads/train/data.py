@@ -41,7 +41,8 @@ def iter_records(path: str | Path) -> Iterator[tuple[str, dict | None, str | Non
         for number, record in enumerate(records, 1):
             yield f"{path}: record {number}", record, None
         return
-    for number, line in enumerate(text.splitlines(), 1):
+    # JSONL lines end at "\n" only: splitlines() would also split at U+2028 and friends inside strings
+    for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:

@@ -66,7 +66,7 @@ def completed_ids(out: Path) -> set[str]:
         with open(out, "r+b") as f:
             f.truncate(end)
     done = set()
-    for number, line in enumerate(data[:end].decode().splitlines(), 1):
+    for number, line in enumerate(data[:end].decode().split("\n")[:-1], 1):
         try:
             done.add(json.loads(line)["id"])
         except (json.JSONDecodeError, KeyError) as err:
