@@ -109,7 +109,12 @@ def setup_bench(p: argparse.ArgumentParser) -> None:
 def cmd_distill(args: argparse.Namespace) -> None:
     from .train.distill import distill, endpoint_answerer, local_answerer, read_prompts
 
-    prompts = read_prompts(args.prompts)[: args.limit]
+    prompts = read_prompts(args.prompts)
+    if args.sample:  # a seeded random subset, in random order: the same on every rerun
+        import random
+
+        prompts = random.Random(args.seed).sample(prompts, min(args.sample, len(prompts)))
+    prompts = prompts[: args.limit]
     if args.endpoint:
         answer = endpoint_answerer(args.endpoint, args.model, args.max_new_tokens, args.temperature, args.batch_size)
     else:
@@ -129,6 +134,7 @@ def setup_distill(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model name at the endpoint (default: the first it lists)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
+    p.add_argument("--sample", type=int, default=None, help="a random sample of N prompts (seeded by --seed)")
 
 
 def cmd_train(args: argparse.Namespace) -> None:

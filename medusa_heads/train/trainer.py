@@ -143,6 +143,15 @@ class TrainModule(torch.nn.Module):
         super().__init__()
         self.base, self.heads, self.config = base, heads, config
 
+    def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False):
+        """Only what training changes (heads, adapters): checkpoints stay small; the frozen
+        backbone comes from the base model on resume."""
+        state = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        trainable = {prefix + name for name, p in self.named_parameters() if p.requires_grad}
+        for key in [k for k in state if k.startswith(prefix) and k not in trainable]:
+            del state[key]
+        return state
+
     def forward(self, ids, labels, mask, hidden=None, joint: bool = True):
         """(loss, per-head stats) for one batch; `hidden` holds cached backbone states (Medusa-1)."""
         config = self.config
@@ -216,7 +225,7 @@ class Trainer:
                   f"{acc.num_processes} process(es) ({type(module).__name__})")
         position = {"epoch": 0, "step": 0, "global_step": 0}
         if resume and self.checkpoint_dir.exists():
-            acc.load_state(str(self.checkpoint_dir))
+            acc.load_state(str(self.checkpoint_dir), strict=False)  # the checkpoint holds the trained part only
             position = json.loads((self.checkpoint_dir / "position.json").read_text())
             acc.print(f"resuming at epoch {position['epoch'] + 1}, step {position['step']}")
         history_file = self.out / "history.json"
