@@ -229,6 +229,31 @@ def setup_chat(p: argparse.ArgumentParser) -> None:
     add_decoding_args(p)
 
 
+def cmd_calibrate(args: argparse.Namespace) -> None:
+    from .calibrate import calibrate
+    from .train.distill import read_prompts
+
+    model = load_model(args)
+    prompts = [model.chat_ids(turns[0]) for _, turns in read_prompts(args.prompts)[: args.limit]]
+    result = calibrate(model, prompts, args.max_new_tokens, args.max_nodes)
+    print(f"{'nodes':>5} {'expected accepted':>17} {'cost c(n)':>9} {'expected speed-up':>17}")
+    for row in result["table"]:
+        print(f"{row['nodes']:>5} {row['expected_accepted_length']:>17.3f} {row['cost']:>9.3f} "
+              f"{row['expected_speedup']:>17.3f}")
+    tree = result["tree"]
+    tree.save(args.out, table=result["table"], accuracy_top_r=result["accuracy_top_r"], device=str(model.device))
+    print(f"chose {tree.size - 1} nodes (depth {tree.depth}); tree written to {args.out}")
+
+
+def setup_calibrate(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument("--prompts", required=True, help='JSONL of {"turns": [...]} or ShareGPT; first turns are used')
+    p.add_argument("--out", required=True, help="tree JSON to write")
+    p.add_argument("--limit", type=int, default=20, help="prompts to answer for the accuracies (default 20)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-nodes", type=int, default=64, help="largest tree considered")
+
+
 def setup_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt")
     add_model_args(p)
@@ -248,6 +273,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "bench": ("Spec-Bench-style benchmark of Medusa against the peers", setup_bench, cmd_bench),
     "distill": ("self-distillation: the model answers prompts itself (resumable)", setup_distill, cmd_distill),
     "train": ("train heads: Medusa-1 (frozen backbone) or Medusa-2 (LoRA backbone)", setup_train, cmd_train),
+    "calibrate": ("measure head accuracy and this device's cost curve; write the best tree", setup_calibrate,
+                  cmd_calibrate),
     "export": ("write heads for vLLM, TGI or the original Medusa code", setup_export, cmd_export),
     "chat": ("chat in the terminal, streaming, with speed statistics", setup_chat, cmd_chat),
     "serve": ("OpenAI-compatible HTTP server (chat, completions, streaming)", setup_serve, cmd_serve),

@@ -1,0 +1,59 @@
+"""Tree calibration: greedy frontier search by hand, and the whole command on a tiny model."""
+
+import itertools
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import medusa_tiny
+from tiny import tiny_model, tiny_tokenizer
+
+from medusa_heads import Tree
+from medusa_heads.calibrate import best_trees, calibrate, rank_accuracy
+
+
+def test_frontier_search_by_hand():
+    accuracy = [[0.6, 0.2], [0.5, 0.1]]  # head 1 and head 2, ranks 0 and 1
+    trees = best_trees(accuracy, max_nodes=5)
+    added = [(set(t.paths) - set(prev.paths)).pop() for (prev, _), (t, _) in itertools.pairwise(trees)]
+    assert added == [(0,), (0, 0), (1,), (1, 0), (0, 1)]
+    assert [round(e, 4) for _, e in trees] == [1.0, 1.6, 1.9, 2.1, 2.2, 2.26]
+    assert trees[0][0].size == 1
+
+
+def test_rank_accuracy_from_cumulative_hits():
+    hits = torch.tensor([[3, 5, 6], [1, 1, 4]])
+    counts = torch.tensor([10, 10])
+    assert torch.tensor(rank_accuracy(hits, counts)).flatten().tolist() == pytest.approx([0.3, 0.2, 0.1, 0.1, 0.0, 0.3])
+
+
+def test_calibrate_on_a_tiny_model():
+    model = medusa_tiny("llama", num_heads=3)
+    prompts = [torch.tensor([[3, 4, 5]]), torch.tensor([[6, 7, 8, 9]])]
+    result = calibrate(model, prompts, max_new_tokens=16, max_nodes=12, sizes=[1, 4, 12])
+    assert [row["nodes"] for row in result["table"]] == [1, 4, 12]
+    lengths = [row["expected_accepted_length"] for row in result["table"]]
+    assert lengths == sorted(lengths) and lengths[0] >= 1.0
+    assert all(row["cost"] > 0 for row in result["table"])
+    tree = result["tree"]
+    assert tree.depth <= 3 and tree.size - 1 in (1, 4, 12)
+    out = model.generate(prompts[0], max_new_tokens=16, tree=tree)  # usable as is
+    assert torch.equal(out.sequences, model.generate(prompts[0], max_new_tokens=16, tree="plain").sequences)
+
+
+def test_calibrate_command(tmp_path):
+    base = tmp_path / "base"
+    tiny_model("llama").float().save_pretrained(base)
+    tiny_tokenizer().save_pretrained(base)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"turns": [t]}) for t in ["c d e", "f g", "h i j"]) + "\n")
+    out = subprocess.run([sys.executable, "-m", "medusa_heads.cli", "calibrate", "--base", str(base), "--prompts",
+                          str(prompts), "--out", str(tmp_path / "tree.json"), "--max-new-tokens", "12",
+                          "--max-nodes", "8"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "expected speed-up" in out.stdout and "tree written" in out.stdout
+    saved = json.loads((tmp_path / "tree.json").read_text())
+    assert {"paths", "table", "accuracy_top_r"} <= set(saved)
+    assert Tree.load(tmp_path / "tree.json").size >= 1
