@@ -76,6 +76,20 @@ class TreeCache(Cache):
         self.visible = visible
         return slots
 
+    def extend(self, other: "TreeCache") -> None:
+        """Append other's rows to this batch (both padded to the longer slot axis)."""
+        size = max(self.max_len, other.max_len)
+
+        def pad(t: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.pad(t, (0, 0, 0, size - t.shape[2]))
+
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            if mine.is_initialized and theirs.is_initialized:
+                mine.keys = torch.cat([pad(mine.keys), pad(theirs.keys)])
+                mine.values = torch.cat([pad(mine.values), pad(theirs.values)])
+        self.lengths = torch.cat([self.lengths, other.lengths])
+        self.max_len = size
+
     def keep_rows(self, index: torch.Tensor) -> None:
         """Drop every row not listed in index (B',): finished sequences leave the batch."""
         self.lengths = self.lengths[index]

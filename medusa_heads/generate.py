@@ -11,6 +11,7 @@ Rows carry their own lengths, so prompts of different lengths (padded on either 
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -42,90 +43,129 @@ class GenerationOutput:
         return sum(map(sum, self.accept_lengths)) / max(1, sum(map(len, self.accept_lengths)))
 
 
-@dataclass
+@dataclass(eq=False)
 class _Row:
-    """Bookkeeping for one prompt while it decodes."""
+    """One prompt while it decodes, with its own settings."""
 
     prompt: list[int]
+    sampling: Sampling
+    generator: torch.Generator  # shared by the rows added together
+    max_new_tokens: int
+    eos: set[int]
+    stop: list[str]
     tokens: list[int] = field(default_factory=list)
     accept_lengths: list[int] = field(default_factory=list)
     stop_at: int | None = None  # character offset of a stop string in the decoded text
-    finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length" once done
+    finish_reason: str | None = None  # "stop" (EOS or a stop string), "length" or "cancelled" once done
 
 
 class Decoder:
-    """Runs the decoding loop for one batch; `steps()` yields the tokens each step adds per row."""
+    """Decodes a changing batch: rows join with `add` (prefilled at the next step), every step
+    verifies every active row's tree in one forward pass, and finished rows leave."""
 
-    def __init__(
-        self,
-        model,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        max_new_tokens: int,
-        tree: Tree,
-        sampling: Sampling,
-        eos_token_id: int | list[int] | None,
-        stop: list[str],
-        seed: int | None,
-    ):
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    def __init__(self, model, tree: Tree):
         if tree.size > 1:
             tree.check(model.heads.config.num_heads, model.heads.config.vocab_size)
-        if stop:
-            model.require_tokenizer()
-        self.model, self.tree, self.sampling, self.stop = model, tree, sampling, stop
-        self.max_new_tokens = max_new_tokens
-        self.eos = _eos_ids(model, eos_token_id)
-        self.device = model.device
-        self.generator = torch.Generator(device=self.device)
-        if seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(seed)
-        self.rows = [_Row(prompt) for prompt in _prompts(input_ids, attention_mask)]
-        self.active = list(range(len(self.rows)))  # batch position -> row index
+        self.model, self.tree, self.device = model, tree, model.device
         tree_buffers = (tree.depths, tree.parents, tree.retrieve, tree.mask, tree.candidate_index(tree.topk))
         self.depths, self.parents, self.retrieve, self.tree_mask, self.cand_index = (
             t.to(self.device) for t in tree_buffers
         )
+        self.rows: dict[int, _Row] = {}  # every row added, by id, until the caller forgets it
+        self.active: list[int] = []  # batch position -> row id
+        self.pending: list[int] = []  # added, not yet prefilled
+        self.cache: TreeCache | None = None
+        self.hidden = self.root = None  # (B, H) last accepted hidden state, (B,) next token
+        self._ids = itertools.count()
 
-    # -- the loop -----------------------------------------------------------------------------
+    def add(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 256,
+            sampling: Sampling | None = None, eos_token_id: int | list[int] | None = None,
+            stop: list[str] | None = None, seed: int | None = None) -> list[int]:
+        """Queue prompts (B, T) to join at the next step; returns their row ids."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if stop:
+            self.model.require_tokenizer()
+        generator = torch.Generator(device=self.device)
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(seed)
+        settings = dict(sampling=sampling or Sampling(), generator=generator, max_new_tokens=max_new_tokens,
+                        eos=_eos_ids(self.model, eos_token_id), stop=list(stop or []))
+        ids = []
+        for prompt in _prompts(input_ids, attention_mask):
+            ids.append(next(self._ids))
+            self.rows[ids[-1]] = _Row(prompt, **settings)
+        self.pending += ids
+        return ids
+
+    def cancel(self, row_id: int) -> None:
+        """Stop decoding a row now (its client left)."""
+        row = self.rows[row_id]
+        row.finish_reason = row.finish_reason or "cancelled"
+        if row_id in self.pending:
+            self.pending.remove(row_id)
+        if row_id in self.active:
+            self._keep([b for b, i in enumerate(self.active) if i != row_id])
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.active or self.pending)
 
     def steps(self) -> Iterator[None]:
-        """Decode until every row is done; yields after the prefill and after every step."""
-        self._prefill()
-        yield
-        while self.active:
-            self._step()
+        """Decode until every row is done; yields after every step (the first one is the prefill)."""
+        while self.busy:
+            self.step()
             yield
+
+    def step(self) -> None:
+        """Prefill the rows that joined, or else advance every active row by one verification pass."""
+        if self.pending:
+            self._prefill()
+        else:
+            self._decode()
+
+    # -- the two kinds of step ----------------------------------------------------------------
 
     @torch.inference_mode()
     def _prefill(self) -> None:
-        prompts = [self.rows[i].prompt for i in self.active]
+        ids_of_rows, self.pending = self.pending, []
+        prompts = [self.rows[i].prompt for i in ids_of_rows]
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         width = int(lengths.max())
         ids = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
         for b, p in enumerate(prompts):
             ids[b, : len(p)] = torch.tensor(p, device=self.device)
         layers = self.model.config.get_text_config().num_hidden_layers
-        self.cache = TreeCache(layers, len(prompts), width + self.max_new_tokens + self.tree.size, self.device)
+        longest = max(self.rows[i].max_new_tokens for i in ids_of_rows)
+        cache = TreeCache(layers, len(prompts), width + longest + self.tree.size, self.device)
         positions = torch.arange(width, device=self.device).expand(len(prompts), width)
         allowed = positions[:, :, None] >= positions[:, None, :]  # causal, (B, T, T)
-        hidden = self._forward(ids, positions, allowed[:, None], visible=width)
+        hidden = self._forward(cache, ids, positions, allowed[:, None], visible=width)
         rows = torch.arange(len(prompts), device=self.device)
         last = hidden[rows, lengths - 1]  # (B, H)
         logits = adapter.logits(self.model.base_model, last)
-        if self.sampling.acceptance == "greedy":
-            first = logits.argmax(-1)
+        first = torch.empty(len(prompts), dtype=torch.long, device=self.device)
+        for positions_, row in self._groups(ids_of_rows):
+            sampling = row.sampling
+            if sampling.acceptance == "greedy":
+                first[positions_] = logits[positions_].argmax(-1)
+            else:
+                probs = sampling_probs(logits[positions_], sampling.temperature, sampling.top_p)
+                first[positions_] = sample(probs, row.generator)
+        cache.commit(torch.arange(width, device=self.device).expand(len(prompts), width), lengths)
+        if self.active:
+            self.cache.extend(cache)
+            self.hidden, self.root = torch.cat([self.hidden, last]), torch.cat([self.root, first])
         else:
-            first = sample(sampling_probs(logits, self.sampling.temperature, self.sampling.top_p), self.generator)
-        self.cache.commit(torch.arange(width, device=self.device).expand(len(prompts), width), lengths)
-        self.hidden, self.root = last, first
-        self._emit(first[:, None], torch.ones_like(first))
+            self.cache, self.hidden, self.root = cache, last, first
+        self.active += ids_of_rows
+        start = len(self.active) - len(ids_of_rows)
+        self._emit(first[:, None], torch.ones_like(first), positions=range(start, len(self.active)))
 
     @torch.inference_mode()
-    def _step(self) -> None:
+    def _decode(self) -> None:
         batch, n = self.root.shape[0], self.tree.size
         tokens = self.root[:, None]
         if n > 1:
@@ -140,35 +180,44 @@ class Decoder:
         in_tree = (rel >= 0) & (rel < n)
         tree_part = self.tree_mask[:, rel.clamp(0, n - 1)].permute(1, 0, 2) & in_tree[:, None]  # (B, n, S)
         allowed = (rel < 0)[:, None, :] | tree_part
-        hidden = self._forward(tokens, positions, allowed[:, None], visible=slots.numel())
+        hidden = self._forward(self.cache, tokens, positions, allowed[:, None], visible=slots.numel())
         logits = adapter.logits(self.model.base_model, hidden)  # (B, n, V)
-        result = accept(tokens, logits, self.parents, self.retrieve, self.sampling, self.generator)
-        path = result.path.clamp(min=0)  # (B, depth+1)
-        self.cache.commit(path, result.count + 1)
+        path = torch.empty(batch, self.retrieve.shape[1], dtype=torch.long, device=self.device)
+        count = torch.empty(batch, dtype=torch.long, device=self.device)
+        next_token = torch.empty(batch, dtype=torch.long, device=self.device)
+        for rows_, row in self._groups(self.active):  # rows sharing settings are accepted together
+            result = accept(tokens[rows_], logits[rows_], self.parents, self.retrieve, row.sampling, row.generator)
+            path[rows_], count[rows_], next_token[rows_] = result.path, result.count, result.next_token
+        path = path.clamp(min=0)  # (B, depth+1)
+        self.cache.commit(path, count + 1)
         rows = torch.arange(batch, device=self.device)
-        last = path[rows, result.count]
-        self.hidden, self.root = hidden[rows, last], result.next_token
-        emitted = torch.cat([tokens.gather(1, path[:, 1:]), result.next_token[:, None]], dim=1)  # (B, depth+1)
-        # the bonus goes right after the accepted candidates
-        emitted[rows, result.count] = result.next_token
-        self._emit(emitted, result.count + 1)
+        self.hidden, self.root = hidden[rows, path[rows, count]], next_token
+        emitted = torch.cat([tokens.gather(1, path[:, 1:]), next_token[:, None]], dim=1)  # (B, depth+1)
+        emitted[rows, count] = next_token  # the bonus goes right after the accepted candidates
+        self._emit(emitted, count + 1, positions=range(batch))
 
-    def _forward(self, ids, positions, allowed, visible: int) -> torch.Tensor:
+    def _forward(self, cache: TreeCache, ids, positions, allowed, visible: int) -> torch.Tensor:
         """Run the base model's decoder over ids, writing their keys/values into the cache."""
-        self.cache.prepare(ids.shape[1], visible)
+        cache.prepare(ids.shape[1], visible)
         base = self.model.base_model
         mask = adapter.attention_mask(base.config, allowed, positions, base.dtype)
-        out = adapter.decoder(base)(
-            input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True
-        )
+        out = adapter.decoder(base)(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                                    use_cache=True)
         return out.last_hidden_state
 
     # -- bookkeeping --------------------------------------------------------------------------
 
-    def _emit(self, emitted: torch.Tensor, counts: torch.Tensor) -> None:
-        """Append each active row's new tokens, apply the stop rules, drop finished rows."""
-        keep = []
-        for b, (tokens, count) in enumerate(zip(emitted.tolist(), counts.tolist(), strict=True)):
+    def _groups(self, row_ids: list[int]) -> list[tuple[torch.Tensor, _Row]]:
+        """Batch positions of rows that share settings (they were added together), with one such row."""
+        groups: dict[int, list[int]] = {}
+        for position, row_id in enumerate(row_ids):
+            groups.setdefault(id(self.rows[row_id].generator), []).append(position)
+        return [(torch.tensor(p, device=self.device), self.rows[row_ids[p[0]]]) for p in groups.values()]
+
+    def _emit(self, emitted: torch.Tensor, counts: torch.Tensor, positions: range) -> None:
+        """Append new tokens to the rows at these batch positions, apply the stop rules, drop finished rows."""
+        finished = set()
+        for b, tokens, count in zip(positions, emitted.tolist(), counts.tolist(), strict=True):
             row = self.rows[self.active[b]]
             row.accept_lengths.append(0)
             for token in tokens[:count]:
@@ -176,23 +225,22 @@ class Decoder:
                 row.accept_lengths[-1] += 1
                 row.finish_reason = self._finish_reason(row)
                 if row.finish_reason:
+                    finished.add(b)
                     break
-            if not row.finish_reason:
-                keep.append(b)
-        if len(keep) < len(self.active):
-            self._keep(keep)
+        if finished:
+            self._keep([b for b in range(len(self.active)) if b not in finished])
 
     def _finish_reason(self, row: _Row) -> str | None:
         """Why the row ends after its last token: "stop", "length", or None (it goes on)."""
-        if row.tokens[-1] in self.eos:
+        if row.tokens[-1] in row.eos:
             return "stop"
-        if self.stop:
+        if row.stop:
             window = self.model.tokenizer.decode(row.tokens[-_STOP_WINDOW:], skip_special_tokens=True)
-            if any(s in window for s in self.stop):
+            if any(s in window for s in row.stop):
                 text = self.model.tokenizer.decode(row.tokens, skip_special_tokens=True)
-                row.stop_at = min(i for s in self.stop if (i := text.find(s)) >= 0)
+                row.stop_at = min(i for s in row.stop if (i := text.find(s)) >= 0)
                 return "stop"
-        return "length" if len(row.tokens) >= self.max_new_tokens else None
+        return "length" if len(row.tokens) >= row.max_new_tokens else None
 
     def _keep(self, keep: list[int]) -> None:
         """Shrink the batch to the rows at positions `keep`."""
@@ -203,23 +251,24 @@ class Decoder:
 
     def output(self, elapsed: float) -> GenerationOutput:
         pad = _pad_id(self.model)
-        width = max(len(r.prompt) + len(r.tokens) for r in self.rows)
-        sequences = torch.full((len(self.rows), width), pad, dtype=torch.long)
-        for i, r in enumerate(self.rows):
+        rows = list(self.rows.values())
+        width = max(len(r.prompt) + len(r.tokens) for r in rows)
+        sequences = torch.full((len(rows), width), pad, dtype=torch.long)
+        for i, r in enumerate(rows):
             sequences[i, : len(r.prompt) + len(r.tokens)] = torch.tensor(r.prompt + r.tokens)
-        texts = [self.text(i) for i in range(len(self.rows))] if self.model.tokenizer is not None else None
+        texts = [self.text(i) for i in self.rows] if self.model.tokenizer is not None else None
         return GenerationOutput(
             sequences=sequences,
-            new_tokens=[r.tokens for r in self.rows],
-            accept_lengths=[r.accept_lengths for r in self.rows],
+            new_tokens=[r.tokens for r in rows],
+            accept_lengths=[r.accept_lengths for r in rows],
             texts=texts,
-            finish_reasons=[r.finish_reason for r in self.rows],
+            finish_reasons=[r.finish_reason for r in rows],
             elapsed=elapsed,
         )
 
-    def text(self, i: int) -> str:
-        """Row i's decoded text so far, cut before a stop string."""
-        row = self.rows[i]
+    def text(self, row_id: int) -> str:
+        """A row's decoded text so far, cut before a stop string."""
+        row = self.rows[row_id]
         text = self.model.tokenizer.decode(row.tokens, skip_special_tokens=True)
         return text[: row.stop_at] if row.stop_at is not None else text
 
@@ -267,7 +316,7 @@ class TextDeltas:
 
     def __init__(self, decoder: Decoder, row: int = 0):
         self.decoder, self.row, self.sent = decoder, row, ""
-        self.hold = max((len(s) for s in decoder.stop), default=1) - 1
+        self.hold = max((len(s) for s in decoder.rows[row].stop), default=1) - 1
 
     def __call__(self) -> str:
         text = self.decoder.text(self.row)
@@ -297,8 +346,9 @@ def make_decoder(model, input_ids, attention_mask, max_new_tokens=256, acceptanc
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if any(not s for s in stops):
         raise ValueError("stop strings must be non-empty")
-    return Decoder(model, input_ids, attention_mask, max_new_tokens, resolve_tree(model, tree), sampling,
-                   eos_token_id, stops, seed)
+    decoder = Decoder(model, resolve_tree(model, tree))
+    decoder.add(input_ids, attention_mask, max_new_tokens, sampling, eos_token_id, stops, seed)
+    return decoder
 
 
 def resolve_tree(model, tree) -> Tree:

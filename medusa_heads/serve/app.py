@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from ..acceptance import Sampling
 from .engine import Busy, Engine, Job
 from .schemas import ChatRequest, CompletionRequest, ErrorBody, SamplingFields
 
@@ -78,7 +79,7 @@ def create_app(model, max_concurrency: int = 4, max_queue: int = 64, max_new_tok
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "model": model_id, "running": len(engine.running), "waiting": len(engine.waiting)}
+        return {"status": "ok", "model": model_id, "running": engine.running, "waiting": len(engine.waiting)}
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -107,9 +108,9 @@ def create_app(model, max_concurrency: int = 4, max_queue: int = 64, max_new_tok
             raise APIError(400, f"the prompt ({prompt} tokens) plus max_tokens ({max_tokens}) exceeds the "
                                 f"context of {context} tokens", param="messages" if chat else "prompt",
                            code="context_length_exceeded")
-        sampling = ({"acceptance": "greedy"} if body.temperature == 0 else
-                    {"acceptance": body.acceptance or "exact", "temperature": body.temperature, "top_p": body.top_p})
-        job = Job(ids, {"max_new_tokens": max_tokens, "stop": body.stop, "seed": body.seed, **sampling},
+        sampling = (Sampling("greedy") if body.temperature == 0 else
+                    Sampling(body.acceptance or "exact", body.temperature, body.top_p))
+        job = Job(ids, {"max_new_tokens": max_tokens, "sampling": sampling, "stop": body.stop, "seed": body.seed},
                   asyncio.get_running_loop())
         try:
             engine.submit(job)

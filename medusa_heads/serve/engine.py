@@ -1,8 +1,9 @@
-"""The generation worker behind the server: one thread owns the model and advances every admitted
-request one decoding step at a time, round-robin, so concurrent streams all progress.
+"""The generation worker behind the server: one thread owns the model and one batched Decoder.
 
-Up to `max_concurrency` requests decode at once; up to `max_queue` more wait; beyond that
-`submit` raises `Busy` (HTTP 429). A cancelled request (client gone) is dropped at its next turn.
+Up to `max_concurrency` requests decode together in one batch (each step verifies every row's tree
+in one forward pass); a request that arrives joins at the next step and a finished one leaves.
+Up to `max_queue` more wait; beyond that `submit` raises `Busy` (HTTP 429). A cancelled request
+(client gone) leaves the batch at the next step.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..generate import Decoder, TextDeltas, make_decoder
+from ..generate import Decoder, TextDeltas, resolve_tree
 
 log = logging.getLogger("medusa_heads.serve")
 
@@ -27,7 +28,7 @@ class Busy(Exception):
 @dataclass(eq=False)  # compared by identity
 class Job:
     input_ids: torch.Tensor  # (1, T)
-    options: dict  # make_decoder keyword arguments
+    options: dict  # Decoder.add keyword arguments
     loop: asyncio.AbstractEventLoop
     # ("text", str) | ("done", dict) | ("invalid", message) for a bad request | ("error", message)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -37,20 +38,16 @@ class Job:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
 
 
-@dataclass(eq=False)
-class _Running:
-    job: Job
-    decoder: Decoder
-    steps: object  # the decoder's step iterator
-    deltas: TextDeltas
-
-
 class Engine:
-    def __init__(self, model, max_concurrency: int = 4, max_queue: int = 64):
+    """Continuous batching: requests join the running batch at the next step and leave when done."""
+
+    def __init__(self, model, max_concurrency: int = 4, max_queue: int = 64, tree=None):
         self.model, self.max_concurrency, self.max_queue = model, max_concurrency, max_queue
+        self.tree = resolve_tree(model, tree)
+        self.decoder = Decoder(model, self.tree)
+        self.jobs: dict[int, tuple[Job, TextDeltas]] = {}  # decoder row id -> its job (worker thread only)
         self.waiting: deque[Job] = deque()  # guarded by the lock, like `admitted`
-        self.running: list[_Running] = []  # touched by the worker thread only
-        self.admitted = 0  # waiting + running
+        self.admitted = 0  # waiting + decoding
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.stopping = threading.Event()
@@ -71,17 +68,34 @@ class Engine:
             self.waiting.append(job)
         self.wake.set()
 
+    @property
+    def running(self) -> int:
+        return len(self.jobs)
+
+    def run_once(self) -> bool:
+        """Admit waiting requests, run one step of the batch, publish; False when there was nothing to do."""
+        self._admit()
+        if not self.decoder.busy:
+            return False
+        try:
+            self.decoder.step()
+        except Exception:  # a bug or an out-of-memory: report it without the traceback, keep serving
+            log.exception("generation failed")
+            for row_id, (job, _) in list(self.jobs.items()):
+                job.send("error", "generation failed")
+                self._forget(row_id)
+            self.decoder = Decoder(self.model, self.tree)
+            return True
+        self._publish()
+        return True
+
     def _work(self) -> None:
         while not self.stopping.is_set():
-            self._admit()
-            if not self.running:
+            if not self.run_once():
                 self.wake.wait(0.1)
                 self.wake.clear()
-                continue
-            for entry in list(self.running):
-                self._advance(entry)
         with self.lock:
-            left = [entry.job for entry in self.running] + list(self.waiting)
+            left = [job for job, _ in self.jobs.values()] + list(self.waiting)
         for job in left:
             job.send("error", "the server is shutting down")
 
@@ -90,41 +104,37 @@ class Engine:
             return self.waiting.popleft() if self.waiting else None
 
     def _admit(self) -> None:
-        while len(self.running) < self.max_concurrency and (job := self._next_waiting()) is not None:
+        while len(self.jobs) < self.max_concurrency and (job := self._next_waiting()) is not None:
             if job.cancelled.is_set():
                 self._release()
                 continue
             try:
-                decoder = make_decoder(self.model, job.input_ids, None, **job.options)
+                row_id = self.decoder.add(job.input_ids, **job.options)[0]
             except ValueError as err:
                 job.send("invalid", str(err))
                 self._release()
                 continue
-            self.running.append(_Running(job, decoder, decoder.steps(), TextDeltas(decoder)))
+            self.jobs[row_id] = (job, TextDeltas(self.decoder, row_id))
 
-    def _advance(self, entry: _Running) -> None:
-        job = entry.job
-        if job.cancelled.is_set():
-            self._finish(entry)
-            return
-        try:
-            next(entry.steps, None)
-        except Exception:  # a bug or an out-of-memory: report it without the traceback, keep serving
-            log.exception("generation failed")
-            job.send("error", "generation failed")
-            self._finish(entry)
-            return
-        if delta := entry.deltas():
-            job.send("text", delta)
-        row = entry.decoder.rows[0]
-        if row.finish_reason:
-            job.send("done", {"finish_reason": row.finish_reason, "prompt_tokens": len(row.prompt),
-                              "completion_tokens": len(row.tokens),
-                              "mean_accepted_length": sum(row.accept_lengths) / max(1, len(row.accept_lengths))})
-            self._finish(entry)
+    def _publish(self) -> None:
+        """Send every request its new text; finish the done ones and drop those whose client left."""
+        for row_id, (job, deltas) in list(self.jobs.items()):
+            if job.cancelled.is_set():
+                self.decoder.cancel(row_id)
+                self._forget(row_id)
+                continue
+            if delta := deltas():
+                job.send("text", delta)
+            row = self.decoder.rows[row_id]
+            if row.finish_reason:
+                job.send("done", {"finish_reason": row.finish_reason, "prompt_tokens": len(row.prompt),
+                                  "completion_tokens": len(row.tokens),
+                                  "mean_accepted_length": sum(row.accept_lengths) / max(1, len(row.accept_lengths))})
+                self._forget(row_id)
 
-    def _finish(self, entry: _Running) -> None:
-        self.running.remove(entry)
+    def _forget(self, row_id: int) -> None:
+        self.jobs.pop(row_id)
+        self.decoder.rows.pop(row_id)
         self._release()
 
     def _release(self) -> None:
