@@ -76,7 +76,7 @@ class TreeCache(Cache):
         self.visible = visible
         return slots
 
-    def extend(self, other: "TreeCache") -> None:
+    def extend(self, other: TreeCache) -> None:
         """Append other's rows to this batch (both padded to the longer slot axis)."""
         size = max(self.max_len, other.max_len)
 
