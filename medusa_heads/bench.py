@@ -276,3 +276,57 @@ def bench(model, questions_file: str | Path, methods: list[str | Method], out: s
     result["head_accuracy"] = accuracy_table(hits, counts) if torch.is_tensor(counts) else None
     write_report(result, out)
     return result
+
+
+def load_bench(model, questions: list[dict], batch_sizes: list[int], max_new_tokens: int, tree=None) -> dict:
+    """Throughput and latency of batched decoding: Medusa vs plain at each batch size, interleaved.
+
+    A batch of B first turns decodes together (left-padded; rows leave as they finish). Latency of
+    a request = seconds until its row finished. Greedy outputs of both methods are compared.
+    """
+    from .generate import make_decoder
+
+    prompts = [model.chat_ids(q["turns"][0])[0].tolist() for q in questions]
+    methods = {"plain": "plain", "medusa": tree}
+    for spec in methods.values():  # warm-up
+        for _ in make_decoder(model, torch.tensor([prompts[0]], device=model.device), None, 8, tree=spec).steps():
+            pass
+    rows = []
+    for size in batch_sizes:
+        batch = [prompts[i % len(prompts)] for i in range(size)]
+        width = max(map(len, batch))
+        ids = torch.zeros(size, width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(batch):
+            ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+        outputs = {}
+        for name, spec in methods.items():
+            decoder = make_decoder(model, ids.to(model.device), mask.to(model.device), max_new_tokens, tree=spec)
+            start, finished = time.perf_counter(), {}
+            for _ in decoder.steps():
+                now = time.perf_counter() - start
+                finished.update({i: now for i, r in decoder.rows.items() if r.finish_reason and i not in finished})
+            seconds = time.perf_counter() - start
+            tokens = [r.tokens for r in decoder.rows.values()]
+            steps = sum(len(r.accept_lengths) for r in decoder.rows.values())
+            outputs[name] = tokens
+            rows.append({"batch_size": size, "method": name, "new_tokens": sum(map(len, tokens)), "seconds": seconds,
+                         "tokens_per_second": sum(map(len, tokens)) / seconds,
+                         "mean_latency": statistics.mean(finished.values()),
+                         "mean_accepted_length": sum(map(len, tokens)) / steps})
+        rows[-1]["identical_to_plain"] = outputs["medusa"] == outputs["plain"]
+        rows[-1]["speedup_vs_plain"] = rows[-1]["tokens_per_second"] / rows[-2]["tokens_per_second"]
+    return {"rows": rows, "settings": {"batch_sizes": batch_sizes, "max_new_tokens": max_new_tokens,
+                                       "questions": len(questions), "tree": str(tree or "default")},
+            "environment": environment(model)}
+
+
+def load_markdown(result: dict) -> str:
+    lines = ["| batch | method | total tok/s | mean latency (s) | mean accepted length | speed-up vs plain |",
+             "| ---: | --- | ---: | ---: | ---: | ---: |"]
+    for r in result["rows"]:
+        speedup = f"{r['speedup_vs_plain']:.2f}x" if "speedup_vs_plain" in r else "1.00x"
+        lines.append(f"| {r['batch_size']} | {r['method']} | {r['tokens_per_second']:.1f} | {r['mean_latency']:.2f} | "
+                     f"{r['mean_accepted_length']:.2f} | {speedup} |")
+    same = all(r.get("identical_to_plain", True) for r in result["rows"])
+    return "\n".join(lines) + f"\n\nGreedy outputs identical to plain batched decoding: {'yes' if same else 'NO'}\n"

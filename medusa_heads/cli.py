@@ -93,6 +93,29 @@ def cmd_bench(args: argparse.Namespace) -> None:
         print(f"{len(result['summary']['mismatches'])} outputs differ from the reference: see report.md")
 
 
+def cmd_bench_load(args: argparse.Namespace) -> None:
+    from .bench import load_bench, load_markdown, load_questions
+
+    model = load_model(args)
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    result = load_bench(model, load_questions(args.questions, args.limit), sizes, args.max_new_tokens, args.tree)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "load.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "load.md").write_text(load_markdown(result))
+    print(load_markdown(result))
+
+
+def setup_bench_load(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--questions", required=True, help="Spec-Bench JSONL; first turns are the requests")
+    add_model_args(p)
+    p.add_argument("--batch-sizes", default="1,2,4,8")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--limit", type=int, default=None, help="first Q questions only")
+    p.add_argument("--tree", help="tree for Medusa (default: the default tree)")
+    p.add_argument("--out", required=True, help="folder for load.json and load.md")
+
+
 def setup_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--questions", required=True, help="Spec-Bench JSONL (question_id, category, turns)")
     add_model_args(p)
@@ -278,6 +301,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "export": ("write heads for vLLM, TGI or the original Medusa code", setup_export, cmd_export),
     "chat": ("chat in the terminal, streaming, with speed statistics", setup_chat, cmd_chat),
     "serve": ("OpenAI-compatible HTTP server (chat, completions, streaming)", setup_serve, cmd_serve),
+    "bench-load": ("throughput and latency at batch 1, 2, 4, 8: Medusa vs plain batched", setup_bench_load,
+                   cmd_bench_load),
     "demo": ("answer a few prompts with the default model: plain vs Medusa speed", setup_demo, cmd_demo),
 }
 

@@ -73,3 +73,17 @@ def test_bad_question_file_names_the_line(tmp_path):
     bad.write_text('{"turns": ["ok"]}\n{"question_id": 2}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not a Spec-Bench question"):
         load_questions(bad)
+
+
+def test_load_bench(tmp_path):
+    from medusa_heads.bench import load_bench, load_markdown
+
+    model = medusa_tiny("llama")
+    model.tokenizer = tiny_tokenizer()
+    questions = [{"question_id": i, "category": "x", "turns": [t]} for i, t in enumerate(["c d e", "f g", "h"])]
+    result = load_bench(model, questions, [1, 3], max_new_tokens=10, tree="reference")
+    assert [(r["batch_size"], r["method"]) for r in result["rows"]] == [(1, "plain"), (1, "medusa"), (3, "plain"),
+                                                                        (3, "medusa")]
+    assert all(r["identical_to_plain"] for r in result["rows"] if r["method"] == "medusa")
+    assert result["rows"][0]["mean_accepted_length"] == 1.0 and result["rows"][1]["mean_accepted_length"] > 1.0
+    assert "| 3 | medusa |" in load_markdown(result)
