@@ -61,27 +61,30 @@ def measure_accuracy(model, prompts: list[torch.Tensor], max_new_tokens: int, ma
     return hits, counts
 
 
-def step_time(model, ids: torch.Tensor, tree: Tree, steps: int = 12, repeats: int = 3) -> float:
-    """Median seconds per decoding step with this tree (prefill excluded)."""
-    samples = []
-    for _ in range(repeats):
-        decoder = make_decoder(model, ids, None, max_new_tokens=10_000, tree=tree, eos_token_id=[])
-        loop = decoder.steps()
-        next(loop)  # prefill
-        next(loop)  # a first step warms up
-        start = time.perf_counter()
-        for _ in range(steps):
-            next(loop)
-        if model.device.type == "cuda":
-            torch.cuda.synchronize(model.device)
-        samples.append((time.perf_counter() - start) / steps)
-    return sorted(samples)[len(samples) // 2]
+def step_time(model, ids: torch.Tensor, tree: Tree, steps: int = 8) -> float:
+    """Seconds per decoding step with this tree (prefill and a first step excluded)."""
+    decoder = make_decoder(model, ids, None, max_new_tokens=10_000, tree=tree, eos_token_id=[])
+    loop = decoder.steps()
+    next(loop)  # prefill
+    next(loop)  # a first step warms up
+    start = time.perf_counter()
+    for _ in range(steps):
+        next(loop)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+    return (time.perf_counter() - start) / steps
 
 
-def cost_curve(model, ids: torch.Tensor, trees: list[Tree], steps: int = 12) -> list[float]:
-    """c(n) for each tree, relative to a plain decoding step, measured side by side."""
-    plain = step_time(model, ids, Tree([], name="plain"), steps)
-    return [step_time(model, ids, tree, steps) / plain for tree in trees]
+def cost_curve(model, ids: torch.Tensor, trees: list[Tree], steps: int = 8, rounds: int = 5) -> list[float]:
+    """c(n) for each tree relative to a plain decoding step: rounds interleave every tree and plain
+    decoding so that drift hits all alike; the median over rounds is kept."""
+    plain = Tree([], name="plain")
+    times: list[list[float]] = [[] for _ in range(len(trees) + 1)]
+    for _ in range(rounds):
+        for i, tree in enumerate([plain, *trees]):
+            times[i].append(step_time(model, ids, tree, steps))
+    medians = [sorted(t)[len(t) // 2] for t in times]
+    return [m / medians[0] for m in medians[1:]]
 
 
 def calibrate(model, prompts: list[torch.Tensor], max_new_tokens: int = 128, max_nodes: int = 64,
