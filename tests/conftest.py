@@ -33,6 +33,17 @@ def hf_greedy(base, ids: torch.Tensor, max_new_tokens: int, eos_token_id=None) -
 
 
 @pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory):
+    """A tiny Llama (float32) and its tokenizer saved as a Hugging Face folder, for the CLI and server."""
+    from tiny import tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_model("llama").float().save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def default_model():
     """The embedded default (SmolLM2-135M-Instruct) with fresh shared heads; integration tests only."""
     from medusa_heads.default import default_base_dir

@@ -7,9 +7,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-from tiny import tiny_model, tiny_tokenizer
-
 from medusa_heads import MedusaModel
 
 
@@ -37,17 +34,10 @@ class Terminal:
         os.write(self.master, (line + "\n").encode())
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    path = tmp_path_factory.mktemp("chat")
-    tiny_model("llama").float().save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return path
-
-
-def test_chat_session(base):
-    library = MedusaModel.from_pretrained(base, projection="shared")
-    term = Terminal([sys.executable, "-m", "medusa_heads.cli", "chat", "--base", str(base), "--max-new-tokens", "12"])
+def test_chat_session(tiny_folder):
+    library = MedusaModel.from_pretrained(tiny_folder, projection="shared")
+    term = Terminal([sys.executable, "-m", "medusa_heads.cli", "chat", "--base", str(tiny_folder),
+                     "--max-new-tokens", "12"])
     term.read_until("you> ")
     term.type("c d e")
     screen = term.read_until("mean accepted length")

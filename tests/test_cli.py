@@ -4,9 +4,6 @@ import json
 import subprocess
 import sys
 
-import pytest
-from tiny import tiny_model, tiny_tokenizer
-
 from medusa_heads.cli import COMMANDS
 
 
@@ -22,14 +19,6 @@ def test_help_lists_every_subcommand():
         assert name in out.stdout
         sub = medusa(name, "--help")
         assert sub.returncode == 0 and "usage: medusa " + name in sub.stdout
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    tiny_model("llama").float().save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return path
 
 
 def test_generate_json(tiny_folder):

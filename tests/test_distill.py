@@ -8,19 +8,10 @@ import sys
 import time
 
 import pytest
-from tiny import tiny_model, tiny_tokenizer
 
 from medusa_heads import MedusaModel
 from medusa_heads.train.data import DataError
 from medusa_heads.train.distill import completed_ids, distill, local_answerer, read_prompts
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    tiny_model("llama").float().save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return path
 
 
 def write_prompts(path, count):

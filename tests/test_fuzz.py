@@ -5,15 +5,11 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 from server import Server
-from tiny import tiny_model, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
-def api(tmp_path_factory):
-    base = tmp_path_factory.mktemp("fuzz")
-    tiny_model("llama").float().save_pretrained(base)
-    tiny_tokenizer().save_pretrained(base)
-    server = Server(base, "--max-new-tokens-limit", "16")
+def api(tiny_folder):
+    server = Server(tiny_folder, "--max-new-tokens-limit", "16")
     yield server
     server.stop()
 

@@ -9,23 +9,14 @@ import httpx
 import openai
 import pytest
 from server import Server
-from tiny import tiny_model, tiny_tokenizer
 
 from medusa_heads import MedusaModel, Sampling
 from medusa_heads.serve.engine import Busy, Engine, Job
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tinyserve")
-    tiny_model("llama").float().save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def server(base):
-    server = Server(base, "--max-concurrency", "4", "--max-new-tokens-limit", "64")
+def server(tiny_folder):
+    server = Server(tiny_folder, "--max-concurrency", "4", "--max-new-tokens-limit", "64")
     yield server
     # SIGTERM: uvicorn shuts down gracefully, then re-raises the signal (exit status -15)
     assert server.stop() in (0, -15)
@@ -38,8 +29,8 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def library(base):
-    return MedusaModel.from_pretrained(base, num_heads=5, projection="shared")
+def library(tiny_folder):
+    return MedusaModel.from_pretrained(tiny_folder, num_heads=5, projection="shared")
 
 
 def expected_chat(library, messages, max_tokens, stop=None):
