@@ -1,7 +1,7 @@
 """A preallocated, position-indexed KV cache with per-row lengths.
 
 Slot i of a row holds the keys/values of that row's token at position i. A forward pass writes its
-tokens at slots [length, length + q) of each row (`write_positions`); `commit` then keeps the chosen
+tokens at slots [length, length + q) of each row (set by `prepare`); `commit` then keeps the chosen
 ones by moving them to [length, length + a) and advancing the row's length. Rejected rows are never
 cleared: they lie past the length and are overwritten by the next pass.
 """
@@ -65,8 +65,8 @@ class TreeCache(Cache):
         self.visible = max_len  # slots the attention reads this pass (the rest is unused)
         super().__init__(layers=[TreeCacheLayer(self) for _ in range(num_layers)])
 
-    def prepare(self, query_length: int, visible: int) -> torch.Tensor:
-        """Set where the next pass writes its `query_length` tokens; returns those slots (B, q)."""
+    def prepare(self, query_length: int, visible: int) -> None:
+        """Set where the next pass writes its `query_length` tokens, and how many slots it reads."""
         if visible > self.max_len:
             raise RuntimeError(f"KV cache of {self.max_len} slots cannot hold {visible} tokens")
         offsets = torch.arange(query_length, device=self.lengths.device)
@@ -74,7 +74,6 @@ class TreeCache(Cache):
         rows = torch.arange(slots.shape[0], device=slots.device)[:, None]
         self.write_index = (rows, slots)
         self.visible = visible
-        return slots
 
     def extend(self, other: TreeCache) -> None:
         """Append other's rows to this batch (both padded to the longer slot axis)."""

@@ -18,14 +18,14 @@ import time
 
 import torch
 
-from .accuracy import head_hits
+from .accuracy import accuracy_table, head_hits
 from .generate import make_decoder
 from .tree import Tree
 
 
 def rank_accuracy(hits: torch.Tensor, counts: torch.Tensor) -> list[list[float]]:
     """Probability that head k's rank-r guess is right: differences of the cumulative top-r hits."""
-    cumulative = hits.double() / counts.clamp_min(1)[:, None]
+    cumulative = torch.tensor(accuracy_table(hits, counts), dtype=torch.float64)
     first = cumulative[:, :1]
     return torch.cat([first, cumulative[:, 1:] - cumulative[:, :-1]], dim=1).tolist()
 
@@ -95,11 +95,12 @@ def calibrate(model, prompts: list[torch.Tensor], max_new_tokens: int = 128, max
     candidates = best_trees(accuracy, max_nodes)
     sizes = sizes or sorted({n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if n <= max_nodes} | {max_nodes})
     chosen_rows = [(n, *candidates[n]) for n in sizes if n < len(candidates)]
+    if not chosen_rows:
+        raise ValueError(f"no tree size in {sizes} is possible with at most {len(candidates) - 1} nodes")
     costs = cost_curve(model, prompts[0], [tree for _, tree, _ in chosen_rows])
     table = [{"nodes": n, "expected_accepted_length": expected, "cost": cost, "expected_speedup": expected / cost}
              for (n, _, expected), cost in zip(chosen_rows, costs, strict=True)]
     best = max(range(len(table)), key=lambda i: table[i]["expected_speedup"])
     tree = chosen_rows[best][1]
     tree.name = "calibrated"
-    return {"tree": tree, "table": table, "accuracy_top_r": (hits.double() / counts.clamp_min(1)[:, None]).tolist(),
-            "targets": counts.tolist()}
+    return {"tree": tree, "table": table, "accuracy_top_r": accuracy_table(hits, counts), "targets": counts.tolist()}

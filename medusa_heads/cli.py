@@ -225,7 +225,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     from .serve.app import create_app
 
-    app = create_app(load_model(args), args.max_concurrency, args.max_queue, args.max_new_tokens_limit)
+    app = create_app(load_model(args), args.max_concurrency, args.max_queue, args.max_new_tokens_limit, args.tree)
     print(f"serving on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
@@ -237,6 +237,7 @@ def setup_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=4, help="requests decoded at once")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait; beyond that: 429")
     p.add_argument("--max-new-tokens-limit", type=int, default=2048, help="largest max_tokens accepted")
+    p.add_argument("--tree", help="tree preset or JSON file, e.g. from `medusa calibrate` (default: default)")
     p.add_argument("--log-level", default="warning")
 
 

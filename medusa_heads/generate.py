@@ -235,7 +235,9 @@ class Decoder:
         if row.tokens[-1] in row.eos:
             return "stop"
         if row.stop:
-            window = self.model.tokenizer.decode(row.tokens[-_STOP_WINDOW:], skip_special_tokens=True)
+            # a stop string of c characters ends within the last c tokens (plus a few that decode to nothing)
+            window = self.model.tokenizer.decode(row.tokens[-(_STOP_SLACK + max(map(len, row.stop))):],
+                                                 skip_special_tokens=True)
             if any(s in window for s in row.stop):
                 text = self.model.tokenizer.decode(row.tokens, skip_special_tokens=True)
                 row.stop_at = min(i for s in row.stop if (i := text.find(s)) >= 0)
@@ -273,7 +275,7 @@ class Decoder:
         return text[: row.stop_at] if row.stop_at is not None else text
 
 
-_STOP_WINDOW = 32  # tokens decoded to look for a stop string that the last token may complete
+_STOP_SLACK = 16  # extra tokens decoded when looking for a stop string that the last token may complete
 
 
 def generate(
@@ -376,7 +378,9 @@ def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> li
 def _eos_ids(model, eos_token_id) -> set[int]:
     if eos_token_id is None:
         generation = getattr(model.base_model, "generation_config", None)
-        eos_token_id = getattr(generation, "eos_token_id", None) or model.config.eos_token_id
+        eos_token_id = getattr(generation, "eos_token_id", None)
+        if eos_token_id is None:
+            eos_token_id = model.config.eos_token_id
     if eos_token_id is None:
         return set()
     return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)

@@ -36,12 +36,21 @@ def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body, status_code=err.status)
 
 
-def create_app(model, max_concurrency: int = 4, max_queue: int = 64, max_new_tokens_limit: int = 2048) -> FastAPI:
+def engine_error(kind: str, message: str) -> APIError:
+    """The APIError for an engine event: "invalid" (the request) or "error" (ours)."""
+    if kind == "invalid":
+        return APIError(400, message)
+    return APIError(500, message, type="server_error")
+
+
+def create_app(model, max_concurrency: int = 4, max_queue: int = 64, max_new_tokens_limit: int = 2048,
+               tree=None) -> FastAPI:
     """The app for one MedusaModel; its engine thread starts and stops with the app."""
     model.require_tokenizer()
     model_id = Path(model.base_name).name or "medusa"
-    context = int(getattr(model.config, "max_position_embeddings", 0) or 4096)
-    engine = Engine(model, max_concurrency, max_queue)
+    engine = Engine(model, max_concurrency, max_queue, tree)
+    # tree tokens sit up to `depth` positions past the last accepted one
+    context = int(getattr(model.config, "max_position_embeddings", 0) or 4096) - engine.tree.depth
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -87,16 +96,16 @@ def create_app(model, max_concurrency: int = 4, max_queue: int = 64, max_new_tok
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest):
+    async def chat(body: ChatRequest, request: Request):
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-        return await complete(body, model.chat_ids(messages), chat=True)
+        return await complete(body, model.chat_ids(messages), request, chat=True)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         ids = model.tokenizer(body.prompt, return_tensors="pt")["input_ids"].to(model.device)
-        return await complete(body, ids, chat=False)
+        return await complete(body, ids, request, chat=False)
 
-    async def complete(body: SamplingFields, ids: torch.Tensor, chat: bool):
+    async def complete(body: SamplingFields, ids: torch.Tensor, request: Request, chat: bool):
         if body.model != model_id:
             raise APIError(404, f"model {body.model!r} does not exist; this server has {model_id!r}", param="model",
                            code="model_not_found")
@@ -124,14 +133,18 @@ def create_app(model, max_concurrency: int = 4, max_queue: int = 64, max_new_tok
         try:
             text = []
             while True:
-                kind, payload = await job.events.get()
+                try:
+                    kind, payload = await asyncio.wait_for(job.events.get(), timeout=0.5)
+                except TimeoutError:
+                    if await request.is_disconnected():  # the client left: free its row now
+                        return JSONResponse({}, status_code=499)
+                    continue
                 if kind == "text":
                     text.append(payload)
                 elif kind == "done":
                     return reply.whole("".join(text), payload)
                 else:
-                    raise APIError(400 if kind == "invalid" else 500, payload,
-                                   type="invalid_request_error" if kind == "invalid" else "server_error")
+                    raise engine_error(kind, payload)
         finally:
             job.cancelled.set()
 
@@ -193,7 +206,7 @@ async def stream_events(job: Job, reply: Reply, include_usage: bool) -> AsyncIte
                 yield event("[DONE]")
                 return
             else:
-                yield event(APIError(400 if kind == "invalid" else 500, payload).body)
+                yield event(engine_error(kind, payload).body)
                 return
     finally:
         job.cancelled.set()

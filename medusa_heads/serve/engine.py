@@ -74,19 +74,18 @@ class Engine:
 
     def run_once(self) -> bool:
         """Admit waiting requests, run one step of the batch, publish; False when there was nothing to do."""
-        self._admit()
-        if not self.decoder.busy:
-            return False
         try:
+            self._admit()
+            if not self.decoder.busy:
+                return False
             self.decoder.step()
-        except Exception:  # a bug or an out-of-memory: report it without the traceback, keep serving
+            self._publish()
+        except Exception:  # a bug or an out-of-memory: fail this batch without a traceback, keep serving
             log.exception("generation failed")
             for row_id, (job, _) in list(self.jobs.items()):
                 job.send("error", "generation failed")
                 self._forget(row_id)
             self.decoder = Decoder(self.model, self.tree)
-            return True
-        self._publish()
         return True
 
     def _work(self) -> None:
@@ -134,7 +133,7 @@ class Engine:
 
     def _forget(self, row_id: int) -> None:
         self.jobs.pop(row_id)
-        self.decoder.rows.pop(row_id)
+        self.decoder.rows.pop(row_id, None)
         self._release()
 
     def _release(self) -> None:

@@ -76,13 +76,6 @@ class CompletionRequest(SamplingFields):
         return value
 
 
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    mean_accepted_length: float  # tokens per decoding step, bonus included (1.0 = plain decoding)
-
-
 class ErrorDetail(BaseModel):
     message: str
     type: str

@@ -8,6 +8,7 @@ number of kills the file ends with every prompt exactly once.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -109,10 +110,13 @@ def _batches(items: list, size: int) -> Iterator[list]:
 
 
 def local_answerer(model, max_new_tokens: int, temperature: float, seed: int | None = None) -> Answerer:
-    """Answers with the model itself, a batch at a time (greedy at temperature 0, else exact sampling)."""
+    """Answers with the model itself, a batch at a time (greedy at temperature 0, else exact sampling;
+    with a seed, batch i samples with seed + i)."""
     tokenizer = model.require_tokenizer()
+    calls = itertools.count()
 
     def answer(chats: list[list[dict]]) -> list[str]:
+        call = next(calls)
         rows = [model.chat_ids(chat)[0].tolist() for chat in chats]
         width = max(map(len, rows))
         ids = torch.full((len(rows), width), tokenizer.pad_token_id or 0, dtype=torch.long)
@@ -121,7 +125,7 @@ def local_answerer(model, max_new_tokens: int, temperature: float, seed: int | N
             ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
         sampling = {"acceptance": "greedy"} if temperature == 0 else {"acceptance": "exact", "temperature": temperature}
         out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=max_new_tokens,
-                             tree="plain", seed=seed, **sampling)
+                             tree="plain", seed=None if seed is None else seed + call, **sampling)
         return [text.strip() for text in out.texts]
 
     return answer

@@ -9,6 +9,7 @@ Medusa-1 can cache the frozen backbone's hidden states on disk once, so epochs c
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -80,14 +81,20 @@ class HiddenCache:
 
     PART = 256  # examples per file
 
-    def __init__(self, directory: Path, fingerprint: dict):
+    def __init__(self, directory: Path, model, examples: list[Example], accelerator: Accelerator):
         self.directory = directory
+        tokens = hashlib.sha256()
+        for e in examples:
+            tokens.update(torch.tensor(e.input_ids, dtype=torch.int32).numpy().tobytes() + b"|")
+        fingerprint = {"base": model.base_name, "examples": len(examples), "tokens": tokens.hexdigest()}
         meta = directory / "meta.json"
-        if meta.exists() and json.loads(meta.read_text()) != fingerprint:
-            for part in directory.glob("part-*.safetensors"):
-                part.unlink()  # made from other data or another model: start over
-        directory.mkdir(parents=True, exist_ok=True)
-        meta.write_text(json.dumps(fingerprint))
+        if accelerator.is_main_process:
+            if meta.exists() and json.loads(meta.read_text()) != fingerprint:
+                for part in directory.glob("part-*.safetensors"):
+                    part.unlink()  # made from other data or another model: start over
+            directory.mkdir(parents=True, exist_ok=True)
+            meta.write_text(json.dumps(fingerprint))
+        accelerator.wait_for_everyone()
         self.states: list[torch.Tensor] = []
 
     def build(self, model, examples: list[Example], accelerator: Accelerator) -> None:
@@ -113,11 +120,15 @@ class HiddenCache:
 
 def batches_for_epoch(count: int, epoch: int, config: TrainConfig, accelerator: Accelerator) -> list[list[int]]:
     """This process's batches of example indices: the epoch's shuffled order, sharded, equal counts."""
+    processes = accelerator.num_processes
+    if config.batch_size % processes or count < config.batch_size:
+        raise ValueError(f"batch size {config.batch_size} must be a multiple of the {processes} process(es) and at "
+                         f"most the {count} training conversations")
     order = torch.randperm(count, generator=torch.Generator().manual_seed(config.seed * 1000 + epoch)).tolist()
-    per_process = max(1, config.batch_size // accelerator.num_processes)
-    shard = order[accelerator.process_index :: accelerator.num_processes]
-    steps = (count // accelerator.num_processes) // per_process
-    return [shard[i * per_process : (i + 1) * per_process] for i in range(max(1, steps))]
+    per_process = config.batch_size // processes
+    shard = order[accelerator.process_index :: processes]
+    steps = count // config.batch_size
+    return [shard[i * per_process : (i + 1) * per_process] for i in range(steps)]
 
 
 def collate(examples: list[Example], device, states: list[torch.Tensor] | None = None):
@@ -208,8 +219,7 @@ class Trainer:
             raise ValueError(f"{self.checkpoint_dir} exists: pass --resume to continue it, or choose another --out")
         states = None
         if config.mode == "medusa1" and config.cache_hidden:
-            cache = HiddenCache(self.out / "hidden-cache", {"base": self.model.base_name, "examples": len(train),
-                                                            "tokens": sum(len(e.input_ids) for e in train)})
+            cache = HiddenCache(self.out / "hidden-cache", self.model, train, acc)
             cache.build(self.model, train, acc)
             states = cache.states
         steps_per_epoch = len(batches_for_epoch(len(train), 0, config, acc))
