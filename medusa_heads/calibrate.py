@@ -93,7 +93,8 @@ def calibrate(model, prompts: list[torch.Tensor], max_new_tokens: int = 128, max
     hits, counts = measure_accuracy(model, prompts, max_new_tokens, max_rank)
     accuracy = rank_accuracy(hits, counts)
     candidates = best_trees(accuracy, max_nodes)
-    sizes = sizes or sorted({n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if n <= max_nodes} | {max_nodes})
+    # n = 0 is plain decoding (c = 1): chosen when no tree pays for itself, e.g. with untrained heads
+    sizes = sizes or sorted({n for n in (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if n <= max_nodes} | {max_nodes})
     chosen_rows = [(n, *candidates[n]) for n in sizes if n < len(candidates)]
     if not chosen_rows:
         raise ValueError(f"no tree size in {sizes} is possible with at most {len(candidates) - 1} nodes")

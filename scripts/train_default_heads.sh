@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Reproduces the heads for the embedded default model (SmolLM2-135M-Instruct): self-distillation,
+# Medusa-1 training, tree calibration. Every step resumes: rerun the script after a stop.
+# The prompt order is a seeded permutation of train_prompts.jsonl, so a larger PROMPTS extends the
+# same data. Set SHIP=1 to copy the result into the package (medusa_heads/default_heads, trees/default.json).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DATA=${DATA:-../shared/data}
+WORK=${WORK:-runs/default-heads}
+PROMPTS=${PROMPTS:-2500}   # prompts to distill (about 43 min per 1,000 on a 2-core CPU)
+EPOCHS=${EPOCHS:-2}
+HEADS=${HEADS:-4}
+MEDUSA=.venv/bin/medusa
+mkdir -p "$WORK"
+[ -f "$DATA/train_prompts.jsonl" ] || { echo "$DATA/train_prompts.jsonl not found: set DATA=" >&2; exit 2; }
+
+time "$MEDUSA" distill --prompts "$DATA/train_prompts.jsonl" --sample 12790 --seed 0 --limit "$PROMPTS" \
+  --out "$WORK/distilled.jsonl" --batch-size 16 --max-new-tokens 256
+
+resume=()
+[ -d "$WORK/heads/checkpoint" ] && resume=(--resume)
+time "$MEDUSA" train --data "$WORK/distilled.jsonl" --out "$WORK/heads" --num-heads "$HEADS" --projection shared \
+  --epochs "$EPOCHS" --batch-size 8 --lr 1e-3 "${resume[@]}"
+
+time "$MEDUSA" calibrate --heads "$WORK/heads" --prompts "$DATA/train_prompts.jsonl" --limit 20 --out "$WORK/tree.json"
+
+if [ "${SHIP:-0}" = 1 ]; then
+  mkdir -p medusa_heads/default_heads
+  cp "$WORK/heads/config.json" "$WORK/heads/model.safetensors" medusa_heads/default_heads/
+  cp "$WORK/tree.json" medusa_heads/trees/default.json
+  echo "shipped: medusa_heads/default_heads and medusa_heads/trees/default.json"
+fi
