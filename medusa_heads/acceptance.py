@@ -68,6 +68,13 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
+def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of logits (..., V): the argmax for greedy, else a sample at T / top_p."""
+    if sampling.acceptance == "greedy":
+        return logits.argmax(-1)
+    return sample(sampling_probs(logits, sampling.temperature, sampling.top_p), generator)
+
+
 def typical_accept(probs: torch.Tensor, tokens: torch.Tensor, epsilon: float, delta: float) -> torch.Tensor:
     """Typical acceptance of tokens (...,) under probs (..., V): p(x) > min(epsilon, delta * exp(-H))."""
     entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
@@ -106,23 +113,18 @@ def accept(
 ) -> Accepted:
     """Verify a tree: tokens (B, n) at the tree nodes, logits (B, n, V) the base model's there."""
     score = None
-    if sampling.acceptance == "greedy":
-        target = logits.argmax(-1)  # (B, n)
-    else:
-        probs = sampling_probs(logits, sampling.temperature, sampling.top_p)
-        if sampling.acceptance == "exact":
-            target = sample(probs, generator)
     if sampling.acceptance == "typical":
-        parent_probs = probs[:, parents]  # (B, n, V)
+        parent_probs = sampling_probs(logits, sampling.temperature, sampling.top_p)[:, parents]  # (B, n, V)
         passed = typical_accept(parent_probs, tokens, sampling.epsilon, sampling.delta)
         score = torch.log(parent_probs.gather(-1, tokens[..., None])[..., 0].clamp_min(1e-30))
     else:
+        target = choose(logits, sampling, generator)  # (B, n): argmax or one sample per node
         passed = tokens == target[:, parents]
     path, count = longest_path(passed, retrieve, score)
     rows = torch.arange(tokens.shape[0], device=tokens.device)
     last = path[rows, count]
     if sampling.acceptance == "typical":
-        next_token = sample(probs[rows, last], generator)
+        next_token = choose(logits[rows, last], sampling, generator)
     else:
         next_token = target[rows, last]
     return Accepted(path=path, count=count, next_token=next_token)

@@ -281,10 +281,10 @@ def bench(model, questions_file: str | Path, methods: list[str | Method], out: s
 def load_bench(model, questions: list[dict], batch_sizes: list[int], max_new_tokens: int, tree=None) -> dict:
     """Throughput and latency of batched decoding: Medusa vs plain at each batch size, interleaved.
 
-    A batch of B first turns decodes together (left-padded; rows leave as they finish). Latency of
+    A batch of B first turns decodes together (rows leave as they finish). Latency of
     a request = seconds until its row finished. Greedy outputs of both methods are compared.
     """
-    from .generate import make_decoder
+    from .generate import make_decoder, pad_batch
 
     prompts = [model.chat_ids(q["turns"][0])[0].tolist() for q in questions]
     methods = {"plain": "plain", "medusa": tree}
@@ -293,12 +293,7 @@ def load_bench(model, questions: list[dict], batch_sizes: list[int], max_new_tok
             pass
     rows = []
     for size in batch_sizes:
-        batch = [prompts[i % len(prompts)] for i in range(size)]
-        width = max(map(len, batch))
-        ids = torch.zeros(size, width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(batch):
-            ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+        ids, mask = pad_batch([prompts[i % len(prompts)] for i in range(size)])
         outputs = {}
         for name, spec in methods.items():
             decoder = make_decoder(model, ids.to(model.device), mask.to(model.device), max_new_tokens, tree=spec)

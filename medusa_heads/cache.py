@@ -96,15 +96,17 @@ class TreeCache(Cache):
             if layer.is_initialized:
                 layer.keys, layer.values = layer.keys[index], layer.values[index]
 
-    def commit(self, keep: torch.Tensor, counts: torch.Tensor) -> None:
-        """Keep, per row, the first counts[b] of the just-written tokens listed in keep (B, a).
+    def commit(self, counts: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        """Keep, per row, the first counts[b] of the tokens the last pass wrote.
 
-        keep[b, j] is an offset into the tokens written by the last pass; it is moved to offset j.
+        keep (B, a): keep[b, j] is an offset into those tokens, moved to offset j; None when the kept
+        tokens already sit in order (a prefill, or a tree of the root alone).
         """
-        rows = torch.arange(keep.shape[0], device=keep.device)[:, None]
-        base = self.lengths[:, None]
-        offsets = torch.arange(keep.shape[1], device=keep.device)
-        for layer in self.layers:
-            if layer.is_initialized:
-                layer.commit(rows, base + keep, base + offsets)
+        if keep is not None:
+            rows = torch.arange(keep.shape[0], device=keep.device)[:, None]
+            base = self.lengths[:, None]
+            offsets = torch.arange(keep.shape[1], device=keep.device)
+            for layer in self.layers:
+                if layer.is_initialized:
+                    layer.commit(rows, base + keep, base + offsets)
         self.lengths += counts

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import adapter
-from .acceptance import Sampling, accept, sample, sampling_probs
+from .acceptance import Sampling, accept, choose
 from .cache import TreeCache
 from .tree import Tree
 
@@ -80,10 +80,13 @@ class Decoder:
 
     def add(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 256,
             sampling: Sampling | None = None, eos_token_id: int | list[int] | None = None,
-            stop: list[str] | None = None, seed: int | None = None) -> list[int]:
+            stop: str | list[str] | None = None, seed: int | None = None) -> list[int]:
         """Queue prompts (B, T) to join at the next step; returns their row ids."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        stop = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(not s for s in stop):
+            raise ValueError("stop strings must be non-empty")
         if stop:
             self.model.require_tokenizer()
         generator = torch.Generator(device=self.device)
@@ -92,7 +95,7 @@ class Decoder:
         else:
             generator.manual_seed(seed)
         settings = dict(sampling=sampling or Sampling(), generator=generator, max_new_tokens=max_new_tokens,
-                        eos=_eos_ids(self.model, eos_token_id), stop=list(stop or []))
+                        eos=_eos_ids(self.model, eos_token_id), stop=stop)
         ids = []
         for prompt in _prompts(input_ids, attention_mask):
             ids.append(next(self._ids))
@@ -134,9 +137,7 @@ class Decoder:
         prompts = [self.rows[i].prompt for i in ids_of_rows]
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         width = int(lengths.max())
-        ids = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
-        for b, p in enumerate(prompts):
-            ids[b, : len(p)] = torch.tensor(p, device=self.device)
+        ids = pad_batch(prompts)[0].to(self.device)
         layers = self.model.config.get_text_config().num_hidden_layers
         longest = max(self.rows[i].max_new_tokens for i in ids_of_rows)
         cache = TreeCache(layers, len(prompts), width + longest + self.tree.size, self.device)
@@ -148,13 +149,8 @@ class Decoder:
         logits = adapter.logits(self.model.base_model, last)
         first = torch.empty(len(prompts), dtype=torch.long, device=self.device)
         for positions_, row in self._groups(ids_of_rows):
-            sampling = row.sampling
-            if sampling.acceptance == "greedy":
-                first[positions_] = logits[positions_].argmax(-1)
-            else:
-                probs = sampling_probs(logits[positions_], sampling.temperature, sampling.top_p)
-                first[positions_] = sample(probs, row.generator)
-        cache.commit(torch.arange(width, device=self.device).expand(len(prompts), width), lengths)
+            first[positions_] = choose(logits[positions_], row.sampling, row.generator)
+        cache.commit(lengths)
         if self.active:
             self.cache.extend(cache)
             self.hidden, self.root = torch.cat([self.hidden, last]), torch.cat([self.root, first])
@@ -189,7 +185,7 @@ class Decoder:
             result = accept(tokens[rows_], logits[rows_], self.parents, self.retrieve, row.sampling, row.generator)
             path[rows_], count[rows_], next_token[rows_] = result.path, result.count, result.next_token
         path = path.clamp(min=0)  # (B, depth+1)
-        self.cache.commit(path, count + 1)
+        self.cache.commit(count + 1, path if n > 1 else None)
         rows = torch.arange(batch, device=self.device)
         self.hidden, self.root = hidden[rows, path[rows, count]], next_token
         emitted = torch.cat([tokens.gather(1, path[:, 1:]), next_token[:, None]], dim=1)  # (B, depth+1)
@@ -344,12 +340,9 @@ def stream(model, input_ids: torch.Tensor, **kwargs) -> Iterator[str]:
 
 def make_decoder(model, input_ids, attention_mask, max_new_tokens=256, acceptance="greedy", temperature=1.0, top_p=1.0,
              tree=None, stop=None, eos_token_id=None, seed=None, epsilon=0.09, delta=0.3) -> Decoder:
-    sampling = Sampling(acceptance, temperature, top_p, epsilon, delta)
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if any(not s for s in stops):
-        raise ValueError("stop strings must be non-empty")
     decoder = Decoder(model, resolve_tree(model, tree))
-    decoder.add(input_ids, attention_mask, max_new_tokens, sampling, eos_token_id, stops, seed)
+    decoder.add(input_ids, attention_mask, max_new_tokens, Sampling(acceptance, temperature, top_p, epsilon, delta),
+                eos_token_id, stop, seed)
     return decoder
 
 
@@ -359,6 +352,15 @@ def resolve_tree(model, tree) -> Tree:
         return Tree.load(tree)
     default = Tree.load("default")
     return default if default.depth <= model.heads.config.num_heads else Tree.chain(model.heads.config.num_heads)
+
+
+def pad_batch(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded input_ids and attention_mask (B, longest) for token lists of any lengths."""
+    ids = torch.full((len(prompts), max(map(len, prompts))), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)], mask[i, : len(p)] = torch.tensor(p), 1
+    return ids, mask
 
 
 def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[int]]:

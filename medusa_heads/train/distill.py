@@ -14,9 +14,9 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
+from ..generate import pad_batch
 from .data import DataError, iter_records, to_messages
 
 Answerer = Callable[[list[list[dict]]], list[str]]  # chats ending with a user turn -> answers
@@ -117,12 +117,7 @@ def local_answerer(model, max_new_tokens: int, temperature: float, seed: int | N
 
     def answer(chats: list[list[dict]]) -> list[str]:
         call = next(calls)
-        rows = [model.chat_ids(chat)[0].tolist() for chat in chats]
-        width = max(map(len, rows))
-        ids = torch.full((len(rows), width), tokenizer.pad_token_id or 0, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, row in enumerate(rows):
-            ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
+        ids, mask = pad_batch([model.chat_ids(chat)[0].tolist() for chat in chats], tokenizer.pad_token_id or 0)
         sampling = {"acceptance": "greedy"} if temperature == 0 else {"acceptance": "exact", "temperature": temperature}
         out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=max_new_tokens,
                              tree="plain", seed=None if seed is None else seed + call, **sampling)
