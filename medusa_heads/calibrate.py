@@ -63,7 +63,8 @@ def measure_accuracy(model, prompts: list[torch.Tensor], max_new_tokens: int, ma
 
 def step_time(model, ids: torch.Tensor, tree: Tree, steps: int = 8) -> float:
     """Seconds per decoding step with this tree (prefill and a first step excluded)."""
-    decoder = make_decoder(model, ids, None, max_new_tokens=10_000, tree=tree, eos_token_id=[])
+    enough = (steps + 2) * (tree.depth + 1)  # never runs out before the last timed step
+    decoder = make_decoder(model, ids, None, max_new_tokens=enough, tree=tree, eos_token_id=[])
     loop = decoder.steps()
     next(loop)  # prefill
     next(loop)  # a first step warms up
