@@ -90,11 +90,18 @@ class TreeCache(Cache):
         self.max_len = size
 
     def keep_rows(self, index: torch.Tensor) -> None:
-        """Drop every row not listed in index (B',): finished sequences leave the batch."""
+        """Keep the rows listed in index (B',), in that order: finished sequences leave the batch.
+
+        Rows already in place are not copied, so filling the gaps with rows from the end of the
+        batch (what the decoder does) costs only those rows, not the whole cache.
+        """
+        moved = (index != torch.arange(len(index), device=index.device)).nonzero().squeeze(1)
+        source = index[moved]
         self.lengths = self.lengths[index]
         for layer in self.layers:
             if layer.is_initialized:
-                layer.keys, layer.values = layer.keys[index], layer.values[index]
+                layer.keys[moved], layer.values[moved] = layer.keys[source], layer.values[source]
+                layer.keys, layer.values = layer.keys[: len(index)], layer.values[: len(index)]
 
     def commit(self, counts: torch.Tensor, keep: torch.Tensor | None = None) -> None:
         """Keep, per row, the first counts[b] of the tokens the last pass wrote.

@@ -130,7 +130,7 @@ def setup_bench(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_distill(args: argparse.Namespace) -> None:
-    from .train.distill import distill, endpoint_answerer, local_answerer, read_prompts
+    from .train.distill import EndpointAnswerer, LocalAnswerer, distill, read_prompts
 
     prompts = read_prompts(args.prompts)
     if args.sample:  # a seeded random subset, in random order: the same on every rerun
@@ -139,10 +139,10 @@ def cmd_distill(args: argparse.Namespace) -> None:
         prompts = random.Random(args.seed).sample(prompts, min(args.sample, len(prompts)))
     prompts = prompts[: args.limit]
     if args.endpoint:
-        answer = endpoint_answerer(args.endpoint, args.model, args.max_new_tokens, args.temperature, args.batch_size)
+        answerer = EndpointAnswerer(args.endpoint, args.model, args.max_new_tokens, args.temperature, args.batch_size)
     else:
-        answer = local_answerer(load_model(args), args.max_new_tokens, args.temperature, args.seed)
-    added = distill(prompts, answer, args.out, args.batch_size)
+        answerer = LocalAnswerer(load_model(args), args.max_new_tokens, args.temperature, args.seed, args.batch_size)
+    added = distill(prompts, answerer, args.out)
     print(f"{args.out}: {added} prompts answered, {len(prompts)} in all")
 
 
@@ -152,7 +152,7 @@ def setup_distill(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="ShareGPT JSONL to write (resumes if it exists)")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: exact sampling")
-    p.add_argument("--batch-size", type=int, default=16, help="prompts decoded together (or parallel requests)")
+    p.add_argument("--batch-size", type=int, default=16, help="answers decoded together, continuously refilled (or parallel requests)")
     p.add_argument("--endpoint", help="OpenAI-compatible base URL (e.g. http://host:8000/v1) instead of local")
     p.add_argument("--model", help="model name at the endpoint (default: the first it lists)")
     p.add_argument("--seed", type=int, default=0)

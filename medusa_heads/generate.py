@@ -241,9 +241,14 @@ class Decoder:
         return "length" if len(row.tokens) >= row.max_new_tokens else None
 
     def _keep(self, keep: list[int]) -> None:
-        """Shrink the batch to the rows at positions `keep`."""
-        self.active = [self.active[b] for b in keep]
-        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        """Shrink the batch to the rows at positions `keep`: rows from the end fill the gaps."""
+        kept = set(keep)
+        gaps = [b for b in range(len(keep)) if b not in kept]
+        order = list(range(len(keep)))
+        for gap, row in zip(gaps, [b for b in keep if b >= len(keep)], strict=True):
+            order[gap] = row
+        self.active = [self.active[b] for b in order]
+        index = torch.tensor(order, dtype=torch.long, device=self.device)
         self.hidden, self.root = self.hidden[index], self.root[index]
         self.cache.keep_rows(index)
 

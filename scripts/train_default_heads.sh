@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${DATA:-../shared/data}
 WORK=${WORK:-runs/default-heads}
-PROMPTS=${PROMPTS:-2500}   # prompts to distill (about 43 min per 1,000 on a 2-core CPU)
+PROMPTS=${PROMPTS:-2500}   # prompts to distill (continuously batched, 64 at a time)
 EPOCHS=${EPOCHS:-2}
 HEADS=${HEADS:-4}
 MEDUSA=.venv/bin/medusa
@@ -15,7 +15,7 @@ mkdir -p "$WORK"
 [ -f "$DATA/train_prompts.jsonl" ] || { echo "$DATA/train_prompts.jsonl not found: set DATA=" >&2; exit 2; }
 
 time "$MEDUSA" distill --prompts "$DATA/train_prompts.jsonl" --sample 12790 --seed 0 --limit "$PROMPTS" \
-  --out "$WORK/distilled.jsonl" --batch-size 16 --max-new-tokens 256
+  --out "$WORK/distilled.jsonl" --batch-size 64 --max-new-tokens 256
 
 resume=()
 [ -d "$WORK/heads/checkpoint" ] && resume=(--resume)

@@ -11,7 +11,7 @@ import pytest
 
 from medusa_heads import MedusaModel
 from medusa_heads.train.data import DataError
-from medusa_heads.train.distill import completed_ids, distill, local_answerer, read_prompts
+from medusa_heads.train.distill import LocalAnswerer, completed_ids, distill, read_prompts
 
 
 def write_prompts(path, count):
@@ -38,8 +38,8 @@ def test_multi_turn_answers_see_the_model_s_own_history(tmp_path, tiny_folder):
     model = MedusaModel.from_pretrained(tiny_folder, num_heads=2)
     prompts_file, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
     write_prompts(prompts_file, 4)
-    answer = local_answerer(model, max_new_tokens=6, temperature=0.0)
-    assert distill(read_prompts(prompts_file), answer, out, batch_size=3, progress=False) == 4
+    answer = LocalAnswerer(model, max_new_tokens=6, temperature=0.0, batch_size=3)
+    assert distill(read_prompts(prompts_file), answer, out, progress=False) == 4
     check_output(out, 4)
     record = next(json.loads(line) for line in out.read_text().splitlines() if json.loads(line)["id"] == "p0")
     first = record["conversations"][:2]

@@ -11,15 +11,17 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import Protocol
 
 from tqdm import tqdm
 
-from ..generate import pad_batch
+from ..acceptance import Sampling
+from ..generate import Decoder, pad_batch
+from ..tree import Tree
 from .data import DataError, iter_records, to_messages
-
-Answerer = Callable[[list[list[dict]]], list[str]]  # chats ending with a user turn -> answers
 
 
 def read_prompts(path: str | Path) -> list[tuple[str, list[str]]]:
@@ -76,73 +78,117 @@ def completed_ids(out: Path) -> set[str]:
     return done
 
 
-def distill(prompts: list[tuple[str, list[str]]], answer: Answerer, out: str | Path, batch_size: int = 16,
-            progress: bool = True) -> int:
-    """Answer every prompt not yet in `out`, appending ShareGPT records; returns how many were added."""
+def distill(prompts: list[tuple[str, list[str]]], answerer: Answerer, out: str | Path, progress: bool = True) -> int:
+    """Answer every prompt not yet in `out`, appending ShareGPT records; returns how many were added.
+
+    Conversations flow through the answerer continuously: when one finishes, the next prompt takes
+    its place, so the batch stays full (no waiting for the longest answer of a batch).
+    """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = completed_ids(out)
-    todo = [(key, turns) for key, turns in prompts if key not in done]
-    bar = tqdm(total=len(todo), desc="distill", unit="prompt", disable=not progress)
+    todo = deque((key, turns) for key, turns in prompts if key not in done)
+    added = len(todo)
+    chats: dict[str, tuple[list[str], list[dict]]] = {}  # in flight: key -> (user turns, chat so far)
+    bar = tqdm(total=added, desc="distill", unit="prompt", disable=not progress)
     with open(out, "ab") as f:
-        for batch in _batches(todo, batch_size):
-            chats: list[list[dict]] = [[] for _ in batch]
-            for turn in range(max(len(turns) for _, turns in batch)):
-                live = [i for i, (_, turns) in enumerate(batch) if turn < len(turns)]
-                for i in live:
-                    chats[i].append({"role": "user", "content": batch[i][1][turn]})
-                for i, text in zip(live, answer([chats[i] for i in live]), strict=True):
-                    chats[i].append({"role": "assistant", "content": text})
-            for (key, _), chat in zip(batch, chats, strict=True):
+        while todo or chats:
+            while todo and answerer.has_room():
+                key, turns = todo.popleft()
+                chats[key] = (turns, [{"role": "user", "content": turns[0]}])
+                answerer.submit(key, chats[key][1])
+            for key, text in answerer.results():
+                turns, chat = chats[key]
+                chat.append({"role": "assistant", "content": text})
+                if len(chat) // 2 < len(turns):  # the next turn sees the model's own answer
+                    chat.append({"role": "user", "content": turns[len(chat) // 2]})
+                    answerer.submit(key, chat)
+                    continue
+                del chats[key]
                 record = {"id": key, "conversations": [
                     {"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]} for m in chat]}
                 f.write((json.dumps(record, ensure_ascii=False) + "\n").encode())
                 f.flush()
                 os.fsync(f.fileno())
-            bar.update(len(batch))
+                bar.update(1)
     bar.close()
-    return len(todo)
+    return added
 
 
-def _batches(items: list, size: int) -> Iterator[list]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
+class Answerer(Protocol):
+    """Answers chats (ending with a user turn) a few at a time, in whatever order they finish."""
+
+    def has_room(self) -> bool: ...
+
+    def submit(self, key: str, chat: list[dict]) -> None: ...
+
+    def results(self) -> list[tuple[str, str]]:
+        """Waits until at least one submitted chat is answered; returns (key, answer) pairs."""
+        ...
 
 
-def local_answerer(model, max_new_tokens: int, temperature: float, seed: int | None = None) -> Answerer:
-    """Answers with the model itself, a batch at a time (greedy at temperature 0, else exact sampling;
-    with a seed, batch i samples with seed + i)."""
-    tokenizer = model.require_tokenizer()
-    calls = itertools.count()
+class LocalAnswerer:
+    """Answers with the model itself, continuously batched: up to batch_size rows decode together;
+    free places are refilled in groups of at least a quarter of the batch (joining costs a copy of
+    the KV cache). Greedy at temperature 0, else exact sampling (seeded per group of joiners)."""
 
-    def answer(chats: list[list[dict]]) -> list[str]:
-        call = next(calls)
-        ids, mask = pad_batch([model.chat_ids(chat)[0].tolist() for chat in chats], tokenizer.pad_token_id or 0)
-        sampling = {"acceptance": "greedy"} if temperature == 0 else {"acceptance": "exact", "temperature": temperature}
-        out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=max_new_tokens,
-                             tree="plain", seed=None if seed is None else seed + call, **sampling)
-        return [text.strip() for text in out.texts]
+    def __init__(self, model, max_new_tokens: int, temperature: float, seed: int | None = None, batch_size: int = 16):
+        self.model, self.tokenizer = model, model.require_tokenizer()
+        self.decoder = Decoder(model, Tree.load("plain"))
+        self.max_new_tokens, self.batch_size, self.seed = max_new_tokens, batch_size, seed
+        self.sampling = Sampling() if temperature == 0 else Sampling("exact", temperature)
+        self.waiting: list[tuple[str, list[int]]] = []  # submitted, not yet in the decoder
+        self.keys: dict[int, str] = {}  # decoder row id -> key
+        self.groups = itertools.count()
 
-    return answer
+    def has_room(self) -> bool:
+        return len(self.waiting) + len(self.keys) < self.batch_size
+
+    def submit(self, key: str, chat: list[dict]) -> None:
+        self.waiting.append((key, self.model.chat_ids(chat)[0].tolist()))
+
+    def results(self) -> list[tuple[str, str]]:
+        if self.waiting and (len(self.waiting) >= max(1, self.batch_size // 4) or not self.keys):
+            ids, mask = pad_batch([ids for _, ids in self.waiting])
+            seed = None if self.seed is None else self.seed + next(self.groups)
+            rows = self.decoder.add(ids.to(self.model.device), mask.to(self.model.device), self.max_new_tokens,
+                                    self.sampling, seed=seed)
+            self.keys.update(zip(rows, (key for key, _ in self.waiting), strict=True))
+            self.waiting = []
+        while True:
+            self.decoder.step()
+            finished = [row for row in self.keys if self.decoder.rows[row].finish_reason]
+            if finished:
+                answers = [(self.keys.pop(row), self.decoder.text(row).strip()) for row in finished]
+                for row in finished:
+                    del self.decoder.rows[row]
+                return answers
 
 
-def endpoint_answerer(url: str, model_name: str | None, max_new_tokens: int, temperature: float,
-                      concurrency: int = 8, api_key: str = "none") -> Answerer:
+class EndpointAnswerer:
     """Answers through any OpenAI-compatible server (e.g. vLLM), `concurrency` requests at a time."""
-    from concurrent.futures import ThreadPoolExecutor
 
-    from openai import OpenAI
+    def __init__(self, url: str, model_name: str | None, max_new_tokens: int, temperature: float,
+                 concurrency: int = 8, api_key: str = "none"):
+        from openai import OpenAI
 
-    client = OpenAI(base_url=url, api_key=api_key)
-    name = model_name or client.models.list().data[0].id
+        self.client = OpenAI(base_url=url, api_key=api_key)
+        self.name = model_name or self.client.models.list().data[0].id
+        self.max_new_tokens, self.temperature, self.concurrency = max_new_tokens, temperature, concurrency
+        self.pool = ThreadPoolExecutor(concurrency)
+        self.futures: dict[Future, str] = {}
 
-    def one(chat: list[dict]) -> str:
-        reply = client.chat.completions.create(model=name, messages=chat, max_tokens=max_new_tokens,
-                                               temperature=temperature)
+    def has_room(self) -> bool:
+        return len(self.futures) < self.concurrency
+
+    def submit(self, key: str, chat: list[dict]) -> None:
+        self.futures[self.pool.submit(self._ask, list(chat))] = key
+
+    def _ask(self, chat: list[dict]) -> str:
+        reply = self.client.chat.completions.create(model=self.name, messages=chat, max_tokens=self.max_new_tokens,
+                                                    temperature=self.temperature)
         return (reply.choices[0].message.content or "").strip()
 
-    def answer(chats: list[list[dict]]) -> list[str]:
-        with ThreadPoolExecutor(concurrency) as pool:
-            return list(pool.map(one, chats))
-
-    return answer
+    def results(self) -> list[tuple[str, str]]:
+        finished, _ = wait(self.futures, return_when=FIRST_COMPLETED)
+        return [(self.futures.pop(future), future.result()) for future in finished]
