@@ -23,8 +23,7 @@ class TreeCacheLayer(CacheLayerMixin):
         self.owner = owner
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch, heads = key_states.shape[:2]
-        size = self.owner.max_len
+        batch, heads, size = self.owner.lengths.shape[0], key_states.shape[1], self.owner.max_len
         kw = dict(dtype=key_states.dtype, device=key_states.device)
         self.keys = torch.zeros(batch, heads, size, key_states.shape[-1], **kw)
         self.values = torch.zeros(batch, heads, size, value_states.shape[-1], **kw)
@@ -38,6 +37,8 @@ class TreeCacheLayer(CacheLayerMixin):
         self.keys[rows, :, slots] = key_states.transpose(1, 2)
         self.values[rows, :, slots] = value_states.transpose(1, 2)
         span = self.owner.visible
+        if self.owner.subset is not None:
+            return self.keys[self.owner.subset, :, :span], self.values[self.owner.subset, :, :span]
         return self.keys[:, :, :span], self.values[:, :, :span]
 
     def commit(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -63,16 +64,19 @@ class TreeCache(Cache):
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # committed tokens per row
         self.write_index: tuple[torch.Tensor, torch.Tensor] | None = None
         self.visible = max_len  # slots the attention reads this pass (the rest is unused)
+        self.subset: torch.Tensor | None = None  # the rows this pass runs on (None: all)
         super().__init__(layers=[TreeCacheLayer(self) for _ in range(num_layers)])
 
-    def prepare(self, query_length: int, visible: int) -> None:
-        """Set where the next pass writes its `query_length` tokens, and how many slots it reads."""
+    def prepare(self, query_length: int, visible: int, rows: torch.Tensor | None = None) -> None:
+        """Set where the next pass writes its `query_length` tokens, and how many slots it reads;
+        `rows` (B',) runs the pass on those rows only (e.g. a prefill in chunks of similar lengths)."""
         if visible > self.max_len:
             raise RuntimeError(f"KV cache of {self.max_len} slots cannot hold {visible} tokens")
+        self.subset = rows
+        if rows is None:
+            rows = torch.arange(self.lengths.shape[0], device=self.lengths.device)
         offsets = torch.arange(query_length, device=self.lengths.device)
-        slots = self.lengths[:, None] + offsets
-        rows = torch.arange(slots.shape[0], device=slots.device)[:, None]
-        self.write_index = (rows, slots)
+        self.write_index = (rows[:, None], self.lengths[rows, None] + offsets)
         self.visible = visible
 
     def extend(self, other: TreeCache) -> None:

@@ -164,7 +164,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     from .train.trainer import TrainConfig, Trainer, prepare_examples
 
     config = TrainConfig(**{k: getattr(args, k) for k in TrainConfig.__dataclass_fields__ if hasattr(args, k)})
-    model = load_model(args, num_heads=config.num_heads, num_layers=config.num_layers, projection=config.projection)
+    model = load_model(args, num_heads=config.num_heads, num_layers=config.num_layers, projection=config.projection,
+                       draft_vocab=config.draft_vocab)
     train, held_out, skipped = prepare_examples(model, args.data, config)
     if skipped:
         print(f"skipped {skipped} malformed records")
@@ -185,6 +186,8 @@ def setup_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-heads", type=int, default=d.num_heads)
     p.add_argument("--num-layers", type=int, default=d.num_layers)
     p.add_argument("--projection", choices=["own", "shared"], default=d.projection)
+    p.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
+                   help="shared projection: heads propose only the N most frequent answer tokens (cheaper)")
     p.add_argument("--epochs", type=int, default=d.epochs)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--batch-size", type=int, default=d.batch_size)

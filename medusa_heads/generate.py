@@ -136,16 +136,19 @@ class Decoder:
         ids_of_rows, self.pending = self.pending, []
         prompts = [self.rows[i].prompt for i in ids_of_rows]
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        width = int(lengths.max())
-        ids = pad_batch(prompts)[0].to(self.device)
         layers = self.model.config.get_text_config().num_hidden_layers
         longest = max(self.rows[i].max_new_tokens for i in ids_of_rows)
-        cache = TreeCache(layers, len(prompts), width + longest + self.tree.size, self.device)
-        positions = torch.arange(width, device=self.device).expand(len(prompts), width)
-        allowed = positions[:, :, None] >= positions[:, None, :]  # causal, (B, T, T)
-        hidden = self._forward(cache, ids, positions, allowed[:, None], visible=width)
-        rows = torch.arange(len(prompts), device=self.device)
-        last = hidden[rows, lengths - 1]  # (B, H)
+        cache = TreeCache(layers, len(prompts), int(lengths.max()) + longest + self.tree.size, self.device)
+        last = torch.empty(len(prompts), self.model.config.get_text_config().hidden_size, device=self.device,
+                           dtype=self.model.base_model.dtype)  # (B, H)
+        for chunk in _similar_lengths(prompts):  # little padding, bounded memory
+            width = max(len(prompts[b]) for b in chunk)
+            ids = pad_batch([prompts[b] for b in chunk])[0].to(self.device)
+            positions = torch.arange(width, device=self.device).expand(len(chunk), width)
+            allowed = positions[:, :, None] >= positions[:, None, :]  # causal, (B', T, T)
+            rows = torch.tensor(chunk, device=self.device)
+            hidden = self._forward(cache, ids, positions, allowed[:, None], visible=width, rows=rows)
+            last[rows] = hidden[torch.arange(len(chunk), device=self.device), lengths[rows] - 1]
         logits = adapter.logits(self.model.base_model, last)
         first = torch.empty(len(prompts), dtype=torch.long, device=self.device)
         for positions_, row in self._groups(ids_of_rows):
@@ -165,8 +168,7 @@ class Decoder:
         batch, n = self.root.shape[0], self.tree.size
         tokens = self.root[:, None]
         if n > 1:
-            head_logits = self.model.heads(self.hidden, num_heads=self.tree.depth)  # (D, B, V)
-            top = head_logits.topk(self.tree.topk, dim=-1).indices  # (D, B, topk)
+            top = self.model.heads.propose(self.hidden, self.tree.topk, num_heads=self.tree.depth)  # (D, B, topk)
             candidates = top.permute(1, 0, 2).reshape(batch, -1)[:, self.cand_index]  # (B, n-1)
             tokens = torch.cat([tokens, candidates], dim=1)  # (B, n)
         lengths = self.cache.lengths
@@ -192,9 +194,10 @@ class Decoder:
         emitted[rows, count] = next_token  # the bonus goes right after the accepted candidates
         self._emit(emitted, count + 1, positions=range(batch))
 
-    def _forward(self, cache: TreeCache, ids, positions, allowed, visible: int) -> torch.Tensor:
-        """Run the base model's decoder over ids, writing their keys/values into the cache."""
-        cache.prepare(ids.shape[1], visible)
+    def _forward(self, cache: TreeCache, ids, positions, allowed, visible: int, rows=None) -> torch.Tensor:
+        """Run the base model's decoder over ids, writing their keys/values into the cache (into
+        `rows` of it only, when given)."""
+        cache.prepare(ids.shape[1], visible, rows)
         base = self.model.base_model
         mask = adapter.attention_mask(base.config, allowed, positions, base.dtype)
         out = adapter.decoder(base)(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
@@ -357,6 +360,21 @@ def resolve_tree(model, tree) -> Tree:
         return Tree.load(tree)
     default = Tree.load("default")
     return default if default.depth <= model.heads.config.num_heads else Tree.chain(model.heads.config.num_heads)
+
+
+PREFILL_TOKENS = 4096  # padded tokens per prefill pass (one longer prompt goes alone)
+
+
+def _similar_lengths(prompts: list[list[int]]) -> list[list[int]]:
+    """Indices of the prompts in groups of similar lengths, each at most PREFILL_TOKENS padded tokens."""
+    order = sorted(range(len(prompts)), key=lambda b: len(prompts[b]))
+    groups: list[list[int]] = []
+    for b in order:  # ascending, so the newest prompt is the group's longest
+        if groups and (len(groups[-1]) + 1) * len(prompts[b]) <= PREFILL_TOKENS:
+            groups[-1].append(b)
+        else:
+            groups.append([b])
+    return groups
 
 
 def pad_batch(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

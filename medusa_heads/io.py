@@ -128,9 +128,13 @@ def load_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], source:
 
 
 def export_heads(heads: MedusaHeads, out: str | Path, fmt: str, base_model: str = "") -> Path:
-    """Write heads for a serving engine: 'vllm', 'tgi' or 'medusa' (the original layout)."""
+    """Write heads for a serving engine: 'vllm', 'tgi' or 'medusa' (the original layout).
+
+    A draft vocabulary is not exported: the engines project onto the full vocabulary.
+    """
     config = heads.config
     if fmt == "tgi" and config.projection == "shared" and config.num_layers != 1:
         raise ValueError("TGI reads shared-projection heads (Medusa 'version 2') with exactly one layer")
     shared = heads.base_lm_head.weight if config.projection == "shared" else None
-    return formats.export(heads.state_dict(), config.num_heads, config.num_layers, shared, Path(out), fmt, base_model)
+    state = {k: v for k, v in heads.state_dict().items() if k != "token_map"}  # engines propose from the full vocabulary
+    return formats.export(state, config.num_heads, config.num_layers, shared, Path(out), fmt, base_model)

@@ -8,6 +8,7 @@ from conftest import ARCHS, hf_greedy, medusa_tiny
 from tiny import tiny_tokenizer
 
 from medusa_heads import Tree
+from medusa_heads import generate as generate_module
 
 TREES = ["plain", "chain-4", "dense-2x3", "reference", "default"]
 
@@ -90,6 +91,17 @@ def test_batch_rows_equal_their_solo_runs(arch, padding):
         assert out.new_tokens[i] == solo.new_tokens[0]
         assert out.sequences[i, : len(p) + len(solo.new_tokens[0])].tolist() == solo.sequences[0].tolist()
     assert len({len(t) for t in out.new_tokens}) > 1
+
+
+def test_prefill_in_chunks_of_similar_lengths(monkeypatch):
+    model = medusa_tiny("qwen2")
+    prompts = [[3, 4, 5, 6, 7, 8, 9], [10], [11, 12, 3], [5, 5, 5, 5], [7, 7]]
+    solo = [model.generate(torch.tensor([p]), max_new_tokens=12, tree="reference", eos_token_id=[]) for p in prompts]
+    monkeypatch.setattr(generate_module, "PREFILL_TOKENS", 8)  # groups [10, 7 7], [11 12 3, 5 5 5 5], [3 ... 9]
+    assert generate_module._similar_lengths(prompts) == [[1, 4], [2, 3], [0]]
+    ids, mask = generate_module.pad_batch(prompts)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, tree="reference", eos_token_id=[])
+    assert out.new_tokens == [s.new_tokens[0] for s in solo]
 
 
 def with_tokenizer(model):

@@ -69,3 +69,18 @@ def test_bad_config_is_refused():
         HeadsConfig(projection="tied")
     with pytest.raises(ValueError, match="num_heads"):
         HeadsConfig(num_heads=0)
+
+
+def test_draft_vocabulary_projects_onto_the_chosen_rows_only():
+    base = tiny_model("qwen2")
+    model = MedusaModel.from_pretrained(base, num_heads=2, projection="shared", draft_vocab=5)
+    chosen = torch.tensor([3, 7, 11, 12, 15])
+    model.heads.set_token_map(chosen)
+    hidden = last_hidden(base, torch.tensor([[3, 4, 5, 6]]))
+    full = lm_head(base)(hidden)
+    torch.testing.assert_close(model.heads(hidden)[1], full[..., chosen], rtol=0, atol=1e-12)  # float64
+    best = full[..., chosen].topk(2, dim=-1).indices
+    assert torch.equal(model.heads.propose(hidden, 2)[0], chosen[best])  # token ids, not draft positions
+    assert model.heads.draft_index(torch.tensor([7, 8, 15])).tolist() == [1, -1, 4]
+    with pytest.raises(ValueError, match="draft_vocab needs projection='shared'"):
+        HeadsConfig(projection="own", vocab_size=10, draft_vocab=5)

@@ -22,6 +22,16 @@ def test_round_trip_gives_identical_logits(tmp_path, projection):
     assert torch.equal(model.heads(hidden), loaded.heads(hidden))
 
 
+def test_draft_vocabulary_round_trip(tmp_path):
+    model = medusa_tiny("llama", num_heads=2, projection="shared", draft_vocab=6)
+    model.heads.set_token_map(torch.tensor([2, 3, 5, 8, 13, 14]))
+    model.save_pretrained(tmp_path)
+    loaded = MedusaModel.from_pretrained(model.base_model, heads=tmp_path)  # token map and its rows restored
+    hidden = torch.randn(3, 32, dtype=torch.float64)
+    assert torch.equal(loaded.heads.propose(hidden, 3), model.heads.propose(hidden, 3))
+    assert loaded.heads.propose(hidden, 3).unique().tolist() <= [2, 3, 5, 8, 13, 14]
+
+
 @pytest.fixture
 def saved(tmp_path):
     model = medusa_tiny("llama", num_heads=2, num_layers=2)

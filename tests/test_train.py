@@ -51,10 +51,10 @@ def counting_examples(count: int, length: int = 24, seed: int = 0) -> list[Examp
     return examples
 
 
-def tiny_medusa(projection="own", num_heads=3):
+def tiny_medusa(projection="own", num_heads=3, draft_vocab=0):
     base = tiny_model("llama").float()
-    model = MedusaModel.from_pretrained(base, num_heads=num_heads, projection=projection, tokenizer=tiny_tokenizer())
-    return model
+    return MedusaModel.from_pretrained(base, num_heads=num_heads, projection=projection, draft_vocab=draft_vocab,
+                                       tokenizer=tiny_tokenizer())
 
 
 def test_heads_learn_the_right_offsets(tmp_path):
@@ -75,6 +75,22 @@ def test_heads_learn_the_right_offsets(tmp_path):
     assert saved["history"][-1]["accuracy"][0]["top1"] == accuracy[0]["top1"]
     reloaded = MedusaModel.from_pretrained(model.base_model, heads=tmp_path)
     assert torch.equal(reloaded.heads(hidden), model.heads(hidden))
+
+
+def test_draft_vocabulary_is_the_most_frequent_answer_tokens(tmp_path):
+    model = tiny_medusa(projection="shared", draft_vocab=8)
+    config = TrainConfig(num_heads=3, projection="shared", draft_vocab=8, epochs=8, lr=1e-2, batch_size=8,
+                         checkpoint_every=10_000)
+    train = counting_examples(96)
+    train[0].labels[:] = [IGNORE] * 20 + [1, 1, 1, 1]  # token 1: rare, outside the draft vocabulary
+    result = Trainer(model, config, tmp_path).fit(train, counting_examples(16, seed=1))
+    counts = torch.bincount(torch.tensor([t for e in train for t in e.labels if t != IGNORE]), minlength=16)
+    assert set(model.heads.token_map.tolist()) == set(counts.argsort(descending=True, stable=True)[:8].tolist())
+    assert 1 not in model.heads.token_map.tolist()
+    # two of the ten counting tokens are left out, which caps each head near 8/10
+    assert all(0.5 < a["top1"] < 0.9 for a in result["history"][-1]["accuracy"])
+    hidden = model.base_model.model(input_ids=torch.tensor([[6, 7, 8, 9, 10, 11]])).last_hidden_state[:, -1]
+    assert model.heads.propose(hidden, 1)[:, 0, 0].tolist() == [13, 14, 15]
 
 
 def test_medusa2_lora_changes_only_adapters_and_heads(tmp_path):

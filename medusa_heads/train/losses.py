@@ -25,7 +25,8 @@ def heads_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, decay: float =
     """sum_k decay^k * CE_k over assistant targets; also per-head (top-1 hits, top-k hits, count).
 
     hidden: (B, T, H) last hidden states; labels: (B, T) with IGNORE outside assistant tokens.
-    Only positions with a target go through the vocabulary projection, one head at a time.
+    Only positions with a target go through the vocabulary projection, one head at a time; with a
+    draft vocabulary, targets outside it count as misses and add no loss.
     """
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     total = hidden.new_zeros((), dtype=torch.float32)
@@ -34,12 +35,14 @@ def heads_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, decay: float =
         where, target = head_targets(labels, k)
         if where.numel() == 0:
             continue
-        logits = heads.head_logits(flat_hidden[where], k).float()  # (N, V)
-        total = total + decay**k * F.cross_entropy(logits, target)
+        logits = heads.head_logits(flat_hidden[where], k).float()  # (N, V or draft_vocab)
+        index = heads.draft_index(target)  # -1: a token the heads cannot propose (a miss, no loss)
+        if (index >= 0).any():
+            total = total + decay**k * F.cross_entropy(logits, index, ignore_index=-1)
         with torch.no_grad():
             top = logits.topk(topk, dim=-1).indices
-            stats[k, 0] = (top[:, 0] == target).sum()
-            stats[k, 1] = (top == target[:, None]).any(-1).sum()
+            stats[k, 0] = (top[:, 0] == index).sum()
+            stats[k, 1] = (top == index[:, None]).any(-1).sum()
             stats[k, 2] = target.numel()
     return total, stats
 

@@ -37,6 +37,7 @@ class TrainConfig:
     num_heads: int = 4  # K heads
     num_layers: int = 1  # residual blocks per head
     projection: str = "own"  # "own" vocabulary projection per head, or "shared" base lm_head
+    draft_vocab: int = 0  # shared projection: heads propose only the N most frequent answer tokens
     epochs: int = 2
     lr: float = 1e-3  # heads' learning rate (Medusa-1); backbone's (Medusa-2)
     batch_size: int = 8  # conversations per optimiser step, over all processes
@@ -74,6 +75,14 @@ def prepare_examples(model, data: str | Path, config: TrainConfig) -> tuple[list
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(config.seed)).tolist()
     held = min(len(examples) - 1, max(1, round(len(examples) * config.eval_fraction))) if len(examples) > 1 else 0
     return [examples[i] for i in order[held:]], [examples[i] for i in order[:held]], skipped
+
+
+def most_frequent_tokens(examples: list[Example], count: int, vocab_size: int) -> tuple[torch.Tensor, float]:
+    """The `count` most frequent assistant tokens (ties: lower id first), sorted, and the share they cover."""
+    labels = torch.tensor([t for e in examples for t in e.labels if t != IGNORE], dtype=torch.long)
+    frequency = torch.bincount(labels, minlength=vocab_size)
+    chosen = torch.sort(-frequency, stable=True).indices[:count].sort().values
+    return chosen, float(frequency[chosen].sum()) / max(1, labels.numel())
 
 
 class HiddenCache:
@@ -217,6 +226,10 @@ class Trainer:
         acc, config = self.accelerator, self.config
         if self.checkpoint_dir.exists() and not resume:
             raise ValueError(f"{self.checkpoint_dir} exists: pass --resume to continue it, or choose another --out")
+        if self.model.heads.token_map is not None:
+            tokens, coverage = most_frequent_tokens(train, config.draft_vocab, self.model.heads.config.vocab_size)
+            self.model.heads.set_token_map(tokens.to(self.model.heads.token_map.device))
+            acc.print(f"draft vocabulary: the {config.draft_vocab} most frequent answer tokens cover {coverage:.2%}")
         states = None
         if config.mode == "medusa1" and config.cache_hidden:
             cache = HiddenCache(self.out / "hidden-cache", self.model, train, acc)
