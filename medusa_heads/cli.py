@@ -152,7 +152,8 @@ def setup_distill(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="ShareGPT JSONL to write (resumes if it exists)")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: exact sampling")
-    p.add_argument("--batch-size", type=int, default=16, help="answers decoded together, continuously refilled (or parallel requests)")
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="answers decoded together, continuously refilled (or parallel requests)")
     p.add_argument("--endpoint", help="OpenAI-compatible base URL (e.g. http://host:8000/v1) instead of local")
     p.add_argument("--model", help="model name at the endpoint (default: the first it lists)")
     p.add_argument("--seed", type=int, default=0)

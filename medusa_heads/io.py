@@ -136,5 +136,5 @@ def export_heads(heads: MedusaHeads, out: str | Path, fmt: str, base_model: str 
     if fmt == "tgi" and config.projection == "shared" and config.num_layers != 1:
         raise ValueError("TGI reads shared-projection heads (Medusa 'version 2') with exactly one layer")
     shared = heads.base_lm_head.weight if config.projection == "shared" else None
-    state = {k: v for k, v in heads.state_dict().items() if k != "token_map"}  # engines propose from the full vocabulary
+    state = {k: v for k, v in heads.state_dict().items() if k != "token_map"}  # engines use the full vocabulary
     return formats.export(state, config.num_heads, config.num_layers, shared, Path(out), fmt, base_model)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+
+DEVICE = os.environ.get("MEDUSA_TEST_DEVICE", "cpu")  # scripts/gpu_check.sh runs some tests with "cuda"
 
 VOCAB = 16  # small, so that random heads often guess right and trees get exercised
 
@@ -34,7 +38,7 @@ def tiny_model(arch: str, tied: bool = False, seed: int = 0, dtype: torch.dtype 
     attention = "eager" if arch == "gemma2" else "sdpa"  # Gemma 2 has no sdpa path in transformers
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
-    return model.to(dtype).eval()
+    return model.to(DEVICE, dtype).eval()
 
 
 CHAT_TEMPLATE = (
