@@ -262,8 +262,15 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     from .train.distill import read_prompts
 
     model = load_model(args)
-    prompts = [model.chat_ids(turns[0]) for _, turns in read_prompts(args.prompts)[: args.limit]]
+    seen = set()
+    for path in args.exclude or []:  # held out: never calibrate on the heads' training prompts
+        seen |= {json.loads(line).get("id") for line in Path(path).read_text().split("\n") if line.strip()}
+    kept = [turns for key, turns in read_prompts(args.prompts) if key not in seen][: args.limit]
+    if not kept:
+        raise ValueError(f"{args.prompts}: no prompt left to calibrate on after --exclude")
+    prompts = [model.chat_ids(turns[0]) for turns in kept]
     result = calibrate(model, prompts, args.max_new_tokens, args.max_nodes)
+    print(f"head accuracies measured on the greedy answers to {len(prompts)} prompts")
     print(f"{'nodes':>5} {'expected accepted':>17} {'cost c(n)':>9} {'expected speed-up':>17}")
     for row in result["table"]:
         print(f"{row['nodes']:>5} {row['expected_accepted_length']:>17.3f} {row['cost']:>9.3f} "
@@ -278,6 +285,7 @@ def setup_calibrate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", required=True, help='JSONL of {"turns": [...]} or ShareGPT; first turns are used')
     p.add_argument("--out", required=True, help="tree JSON to write")
     p.add_argument("--limit", type=int, default=20, help="prompts to answer for the accuracies (default 20)")
+    p.add_argument("--exclude", action="append", help="JSONL whose records' ids are skipped (the training data)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-nodes", type=int, default=64, help="largest tree considered")
 

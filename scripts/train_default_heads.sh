@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 DATA=${DATA:-../shared/data}
 WORK=${WORK:-runs/default-heads}
 PROMPTS=${PROMPTS:-2500}   # prompts to distill (continuously batched, 64 at a time)
-EPOCHS=${EPOCHS:-2}
+EPOCHS=${EPOCHS:-3}
 HEADS=${HEADS:-4}
 MEDUSA=.venv/bin/medusa
 mkdir -p "$WORK"
@@ -20,9 +20,10 @@ time "$MEDUSA" distill --prompts "$DATA/train_prompts.jsonl" --sample 12790 --se
 resume=()
 [ -d "$WORK/heads/checkpoint" ] && resume=(--resume)
 time "$MEDUSA" train --data "$WORK/distilled.jsonl" --out "$WORK/heads" --num-heads "$HEADS" --projection shared \
-  --epochs "$EPOCHS" --batch-size 8 --lr 1e-3 "${resume[@]}"
+  --draft-vocab 8192 --epochs "$EPOCHS" --batch-size 8 --lr 1e-3 "${resume[@]}"
 
-time "$MEDUSA" calibrate --heads "$WORK/heads" --prompts "$DATA/train_prompts.jsonl" --limit 20 --out "$WORK/tree.json"
+time "$MEDUSA" calibrate --heads "$WORK/heads" --prompts "$DATA/train_prompts.jsonl" --exclude "$WORK/distilled.jsonl" \
+  --limit 20 --out "$WORK/tree.json"
 
 if [ "${SHIP:-0}" = 1 ]; then
   mkdir -p medusa_heads/default_heads

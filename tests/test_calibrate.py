@@ -48,12 +48,16 @@ def test_calibrate_command(tmp_path):
     tiny_model("llama").float().save_pretrained(base)
     tiny_tokenizer().save_pretrained(base)
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps({"turns": [t]}) for t in ["c d e", "f g", "h i j"]) + "\n")
+    prompts.write_text("\n".join(json.dumps({"id": i, "turns": [t]}) for i, t in enumerate(["c d e", "f g", "h i j"])))
+    trained_on = tmp_path / "distilled.jsonl"
+    trained_on.write_text(json.dumps({"id": "1", "conversations": []}) + "\n")
     out = subprocess.run([sys.executable, "-m", "medusa_heads.cli", "calibrate", "--base", str(base), "--prompts",
                           str(prompts), "--out", str(tmp_path / "tree.json"), "--max-new-tokens", "12",
-                          "--max-nodes", "8"], capture_output=True, text=True, timeout=300)
+                          "--max-nodes", "8", "--exclude", str(trained_on)],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "expected speed-up" in out.stdout and "tree written" in out.stdout
+    assert "greedy answers to 2 prompts" in out.stdout  # the training prompt is held out
     saved = json.loads((tmp_path / "tree.json").read_text())
     assert {"paths", "table", "accuracy_top_r"} <= set(saved)
     assert Tree.load(tmp_path / "tree.json").size >= 1
