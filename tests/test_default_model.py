@@ -28,3 +28,20 @@ def test_greedy_equals_transformers_on_mt_bench(default_model):
 def test_chat_template_and_text(default_model):
     out = default_model.generate(default_model.chat_ids("What is the capital of France?"), max_new_tokens=16)
     assert "Paris" in out.texts[0]
+
+
+def test_shipped_heads_load_by_default_and_accept_several_tokens_per_step():
+    from medusa_heads import MedusaModel
+    from medusa_heads.default import shipped_heads_dir
+
+    if shipped_heads_dir() is None:
+        pytest.skip("no heads shipped in medusa_heads/default_heads")
+    model = MedusaModel.from_pretrained()  # the embedded default with its shipped heads and tree
+    assert model.heads.config.num_heads >= 3
+    accepted = []
+    for question in mt_bench_first_turns(3):
+        ids = model.chat_ids(question)
+        out = model.generate(ids, max_new_tokens=64)
+        assert out.new_tokens == model.generate(ids, max_new_tokens=64, tree="plain").new_tokens
+        accepted.append(out.mean_accepted_length)
+    assert sum(accepted) / len(accepted) > 1.5, accepted  # untrained heads stay near 1.0
