@@ -147,14 +147,15 @@ def summarize(records: list[dict], reference: str = REFERENCE) -> dict:
         summary[method][category] = s
     outputs = {(r["question_id"], r["turn"]): r["tokens"] for r in records if r["method"] == reference}
     mismatches = [{"method": r["method"], "question_id": r["question_id"], "turn": r["turn"],
-                   "first_difference": _first_difference(r["tokens"], outputs[(r["question_id"], r["turn"])])}
+                   "first_difference": first_difference(r["tokens"], outputs[(r["question_id"], r["turn"])])}
                   for r in records
                   if r["method"] != reference and (r["question_id"], r["turn"]) in outputs
                   and r["tokens"] != outputs[(r["question_id"], r["turn"])]]
     return {"methods": dict(summary), "mismatches": mismatches}
 
 
-def _first_difference(a: list[int], b: list[int]) -> int:
+def first_difference(a: list[int], b: list[int]) -> int:
+    """Index of the first token where a and b differ (the shorter length when one extends the other)."""
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 

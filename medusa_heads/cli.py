@@ -259,12 +259,10 @@ def setup_chat(p: argparse.ArgumentParser) -> None:
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
     from .calibrate import calibrate
-    from .train.distill import read_prompts
+    from .train.distill import read_prompts, record_ids
 
     model = load_model(args)
-    seen = set()
-    for path in args.exclude or []:  # held out: never calibrate on the heads' training prompts
-        seen |= {json.loads(line).get("id") for line in Path(path).read_text().split("\n") if line.strip()}
+    seen = set().union(*(record_ids(path) for path in args.exclude or []))  # the heads' training prompts
     kept = [turns for key, turns in read_prompts(args.prompts) if key not in seen][: args.limit]
     if not kept:
         raise ValueError(f"{args.prompts}: no prompt left to calibrate on after --exclude")

@@ -65,7 +65,8 @@ class Decoder:
 
     def __init__(self, model, tree: Tree):
         if tree.size > 1:
-            tree.check(model.heads.config.num_heads, model.heads.config.vocab_size)
+            heads = model.heads.config
+            tree.check(heads.num_heads, heads.draft_vocab or heads.vocab_size)
         self.model, self.tree, self.device = model, tree, model.device
         tree_buffers = (tree.depths, tree.parents, tree.retrieve, tree.mask, tree.candidate_index(tree.topk))
         self.depths, self.parents, self.retrieve, self.tree_mask, self.cand_index = (
@@ -139,15 +140,18 @@ class Decoder:
         layers = self.model.config.get_text_config().num_hidden_layers
         longest = max(self.rows[i].max_new_tokens for i in ids_of_rows)
         cache = TreeCache(layers, len(prompts), int(lengths.max()) + longest + self.tree.size, self.device)
-        last = torch.empty(len(prompts), self.model.config.get_text_config().hidden_size, device=self.device,
-                           dtype=self.model.base_model.dtype)  # (B, H)
-        for chunk in _similar_lengths(prompts):  # little padding, bounded memory
+        last = None  # (B, H) hidden state of each prompt's last token
+        chunks = _similar_lengths(prompts)  # little padding, bounded memory
+        whole = len(chunks) == 1  # one pass over every row, in order: the cache is used in place
+        for chunk in [list(range(len(prompts)))] if whole else chunks:
             width = max(len(prompts[b]) for b in chunk)
             ids = pad_batch([prompts[b] for b in chunk])[0].to(self.device)
             positions = torch.arange(width, device=self.device).expand(len(chunk), width)
             allowed = positions[:, :, None] >= positions[:, None, :]  # causal, (B', T, T)
             rows = torch.tensor(chunk, device=self.device)
-            hidden = self._forward(cache, ids, positions, allowed[:, None], visible=width, rows=rows)
+            hidden = self._forward(cache, ids, positions, allowed[:, None], visible=width, rows=None if whole else rows)
+            if last is None:
+                last = hidden.new_empty(len(prompts), hidden.shape[-1])
             last[rows] = hidden[torch.arange(len(chunk), device=self.device), lengths[rows] - 1]
         logits = adapter.logits(self.model.base_model, last)
         first = torch.empty(len(prompts), dtype=torch.long, device=self.device)
@@ -243,6 +247,7 @@ class Decoder:
                 return "stop"
         return "length" if len(row.tokens) >= row.max_new_tokens else None
 
+    @torch.inference_mode()  # the cache was made in inference mode; cancel() comes from outside it
     def _keep(self, keep: list[int]) -> None:
         """Shrink the batch to the rows at positions `keep`: rows from the end fill the gaps."""
         kept = set(keep)

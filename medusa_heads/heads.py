@@ -116,7 +116,7 @@ class MedusaHeads(nn.Module):
         if self.token_map is None:
             return self.base_lm_head(states.to(self.base_lm_head.weight.dtype))
         bias = getattr(self.base_lm_head, "bias", None)
-        bias = None if bias is None else bias[self.token_map]
+        bias = None if bias is None else bias[self.token_map].to(self.draft_weight.dtype)
         return nn.functional.linear(states.to(self.draft_weight.dtype), self.draft_weight, bias)
 
     @property

@@ -33,10 +33,11 @@ def main(out: str) -> None:
                                   max_position_embeddings=2048, tie_word_embeddings=True)
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to("cuda", torch.bfloat16).eval()
+    base.generation_config.eos_token_id = None  # random weights: decode exactly `new` tokens everywhere
     model = MedusaModel.from_pretrained(base, num_heads=4, projection="shared")
     ids = torch.randint(100, 40000, (1, 64), generator=torch.Generator().manual_seed(0))
     new = 128
-    hf = base.generate(ids.cuda(), attention_mask=torch.ones_like(ids).cuda(), max_new_tokens=new, min_new_tokens=new,
+    hf = base.generate(ids.cuda(), attention_mask=torch.ones_like(ids).cuda(), max_new_tokens=new,
                        do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "new_tokens": new}
     trees = {"plain": "plain", "default": None, "reference": "reference", "chain-4": "chain-4"}
@@ -44,8 +45,8 @@ def main(out: str) -> None:
                for name, tree in trees.items()}
     results["identical_to_hf"] = {name: o.new_tokens[0] == hf for name, o in outputs.items()}
     results["tokens_per_second"] = {
-        "hf": tokens_per_second(lambda: base.generate(ids.cuda(), max_new_tokens=new, min_new_tokens=new,
-                                                       do_sample=False, pad_token_id=0), new),
+        "hf": tokens_per_second(lambda: base.generate(ids.cuda(), max_new_tokens=new, do_sample=False,
+                                                       pad_token_id=0), new),
         **{name: tokens_per_second(lambda t=tree: model.generate(ids, max_new_tokens=new, tree=t, eos_token_id=[]), new)
            for name, tree in trees.items()},
     }

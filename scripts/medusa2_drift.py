@@ -11,11 +11,7 @@ import argparse
 import json
 
 from medusa_heads import MedusaModel
-from medusa_heads.bench import load_questions
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+from medusa_heads.bench import first_difference, load_questions
 
 
 def main() -> None:
@@ -33,7 +29,7 @@ def main() -> None:
         before = original.generate(original.chat_ids(prompt), max_new_tokens=args.max_new_tokens, tree="plain")
         after = tuned.generate(tuned.chat_ids(prompt), max_new_tokens=args.max_new_tokens)
         a, b = before.new_tokens[0], after.new_tokens[0]
-        rows.append({"category": question["category"], "identical": a == b, "common_prefix": common_prefix(a, b),
+        rows.append({"category": question["category"], "identical": a == b, "common_prefix": first_difference(a, b),
                      "original_tokens": len(a), "mean_accepted_length": after.mean_accepted_length})
     n = len(rows)
     summary = {"questions": n, "identical_answers": sum(r["identical"] for r in rows),

@@ -52,7 +52,8 @@ def main() -> None:
         wrap(owner, name, label, model.device)
     ids = model.chat_ids("Write a short story about a robot who learns to paint.")
     for tree in ["plain", args.tree]:
-        decoder = generate.make_decoder(model, ids, None, max_new_tokens=4 * (args.steps + 4), tree=tree,
+        depth = generate.resolve_tree(model, tree).depth
+        decoder = generate.make_decoder(model, ids, None, max_new_tokens=(depth + 1) * (args.steps + 4), tree=tree,
                                         eos_token_id=[])
         loop = decoder.steps()
         for _ in range(4):  # prefill, then warm-up steps

@@ -104,6 +104,22 @@ def test_prefill_in_chunks_of_similar_lengths(monkeypatch):
     assert out.new_tokens == [s.new_tokens[0] for s in solo]
 
 
+def test_cancelling_a_row_leaves_the_others_exact():
+    model = medusa_tiny("llama")
+    prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
+    decoder = generate_module.Decoder(model, Tree.load("reference"))
+    rows = [decoder.add(torch.tensor([p]), max_new_tokens=20, eos_token_id=[])[0] for p in prompts]
+    for _ in range(3):
+        decoder.step()
+    decoder.cancel(rows[0])  # from outside inference mode, as the server does when a client leaves
+    while decoder.busy:
+        decoder.step()
+    for row, prompt in zip(rows[1:], prompts[1:], strict=True):
+        solo = model.generate(torch.tensor([prompt]), max_new_tokens=20, tree="reference", eos_token_id=[])
+        assert decoder.rows[row].tokens == solo.new_tokens[0]
+    assert decoder.rows[rows[0]].finish_reason == "cancelled"
+
+
 def with_tokenizer(model):
     model.tokenizer = tiny_tokenizer()
     return model

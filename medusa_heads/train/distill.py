@@ -59,23 +59,28 @@ def _with_placeholder(record: dict) -> dict:
     return record
 
 
+def record_ids(path: str | Path) -> set[str]:
+    """Ids of the complete records in a distilled file (a torn last line is not a record yet)."""
+    data = Path(path).read_bytes()
+    ids = set()
+    for number, line in enumerate(data[: data.rfind(b"\n") + 1].decode().split("\n")[:-1], 1):
+        try:
+            ids.add(str(json.loads(line)["id"]))
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise DataError(f"{path}:{number}: not a distilled record ({err}); move the file away to start over"
+                            ) from err
+    return ids
+
+
 def completed_ids(out: Path) -> set[str]:
     """Ids already written; a torn last line (killed mid-write) is cut off first."""
     if not out.exists():
         return set()
-    data = out.read_bytes()
-    end = data.rfind(b"\n") + 1
-    if end < len(data):
+    end = out.read_bytes().rfind(b"\n") + 1
+    if end < out.stat().st_size:
         with open(out, "r+b") as f:
             f.truncate(end)
-    done = set()
-    for number, line in enumerate(data[:end].decode().split("\n")[:-1], 1):
-        try:
-            done.add(json.loads(line)["id"])
-        except (json.JSONDecodeError, KeyError) as err:
-            raise DataError(f"{out}:{number}: not a distilled record ({err}); move the file away to start over"
-                            ) from err
-    return done
+    return record_ids(out)
 
 
 def distill(prompts: list[tuple[str, list[str]]], answerer: Answerer, out: str | Path, progress: bool = True) -> int:
@@ -97,7 +102,7 @@ def distill(prompts: list[tuple[str, list[str]]], answerer: Answerer, out: str |
                 key, turns = todo.popleft()
                 chats[key] = (turns, [{"role": "user", "content": turns[0]}])
                 answerer.submit(key, chats[key][1])
-            for key, text in answerer.results():
+            for key, text in answerer.results(drain=not todo):
                 turns, chat = chats[key]
                 chat.append({"role": "assistant", "content": text})
                 if len(chat) // 2 < len(turns):  # the next turn sees the model's own answer
@@ -122,15 +127,17 @@ class Answerer(Protocol):
 
     def submit(self, key: str, chat: list[dict]) -> None: ...
 
-    def results(self) -> list[tuple[str, str]]:
-        """Waits until at least one submitted chat is answered; returns (key, answer) pairs."""
+    def results(self, drain: bool = False) -> list[tuple[str, str]]:
+        """Waits until at least one submitted chat is answered; returns (key, answer) pairs. `drain`:
+        no new prompts will come, so nothing submitted should wait for more company."""
         ...
 
 
 class LocalAnswerer:
     """Answers with the model itself, continuously batched: up to batch_size rows decode together;
     free places are refilled in groups of at least a quarter of the batch (joining costs a copy of
-    the KV cache). Greedy at temperature 0, else exact sampling (seeded per group of joiners)."""
+    the KV cache). Greedy at temperature 0, else exact sampling, seeded per group of joiners (so a
+    sampled run repeats only with the same batch size and no interruption)."""
 
     def __init__(self, model, max_new_tokens: int, temperature: float, seed: int | None = None, batch_size: int = 16):
         self.model, self.tokenizer = model, model.require_tokenizer()
@@ -147,8 +154,8 @@ class LocalAnswerer:
     def submit(self, key: str, chat: list[dict]) -> None:
         self.waiting.append((key, self.model.chat_ids(chat)[0].tolist()))
 
-    def results(self) -> list[tuple[str, str]]:
-        if self.waiting and (len(self.waiting) >= max(1, self.batch_size // 4) or not self.keys):
+    def results(self, drain: bool = False) -> list[tuple[str, str]]:
+        if self.waiting and (drain or not self.keys or len(self.waiting) >= max(1, self.batch_size // 4)):
             ids, mask = pad_batch([ids for _, ids in self.waiting])
             seed = None if self.seed is None else self.seed + next(self.groups)
             rows = self.decoder.add(ids.to(self.model.device), mask.to(self.model.device), self.max_new_tokens,
@@ -189,6 +196,10 @@ class EndpointAnswerer:
                                                     temperature=self.temperature)
         return (reply.choices[0].message.content or "").strip()
 
-    def results(self) -> list[tuple[str, str]]:
+    def results(self, drain: bool = False) -> list[tuple[str, str]]:
         finished, _ = wait(self.futures, return_when=FIRST_COMPLETED)
-        return [(self.futures.pop(future), future.result()) for future in finished]
+        try:
+            return [(self.futures.pop(future), future.result()) for future in finished]
+        except Exception:  # stop the other requests too; answers not yet written are asked again on rerun
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            raise

@@ -37,8 +37,8 @@ def heads_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, decay: float =
             continue
         logits = heads.head_logits(flat_hidden[where], k).float()  # (N, V or draft_vocab)
         index = heads.draft_index(target)  # -1: a token the heads cannot propose (a miss, no loss)
-        if (index >= 0).any():
-            total = total + decay**k * F.cross_entropy(logits, index, ignore_index=-1)
+        ce = F.cross_entropy(logits, index, ignore_index=-1, reduction="sum") / (index >= 0).sum().clamp_min(1)
+        total = total + decay**k * ce
         with torch.no_grad():
             top = logits.topk(topk, dim=-1).indices
             stats[k, 0] = (top[:, 0] == index).sum()

@@ -227,9 +227,10 @@ class Trainer:
         if self.checkpoint_dir.exists() and not resume:
             raise ValueError(f"{self.checkpoint_dir} exists: pass --resume to continue it, or choose another --out")
         if self.model.heads.token_map is not None:
-            tokens, coverage = most_frequent_tokens(train, config.draft_vocab, self.model.heads.config.vocab_size)
+            heads = self.model.heads.config
+            tokens, coverage = most_frequent_tokens(train, heads.draft_vocab, heads.vocab_size)
             self.model.heads.set_token_map(tokens.to(self.model.heads.token_map.device))
-            acc.print(f"draft vocabulary: the {config.draft_vocab} most frequent answer tokens cover {coverage:.2%}")
+            acc.print(f"draft vocabulary: the {heads.draft_vocab} most frequent answer tokens cover {coverage:.2%}")
         states = None
         if config.mode == "medusa1" and config.cache_hidden:
             cache = HiddenCache(self.out / "hidden-cache", self.model, train, acc)
