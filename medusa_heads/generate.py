@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import adapter
+from . import adapter, speed
 from .acceptance import Sampling, accept, choose
 from .cache import TreeCache
 from .tree import Tree
@@ -68,6 +68,7 @@ class Decoder:
             heads = model.heads.config
             tree.check(heads.num_heads, heads.draft_vocab or heads.vocab_size)
         self.model, self.tree, self.device = model, tree, model.device
+        speed.install(model)
         tree_buffers = (tree.depths, tree.parents, tree.retrieve, tree.mask, tree.candidate_index(tree.topk))
         self.depths, self.parents, self.retrieve, self.tree_mask, self.cand_index = (
             t.to(self.device) for t in tree_buffers
@@ -125,10 +126,11 @@ class Decoder:
 
     def step(self) -> None:
         """Prefill the rows that joined, or else advance every active row by one verification pass."""
-        if self.pending:
-            self._prefill()
-        else:
-            self._decode()
+        with speed.decoding_step():
+            if self.pending:
+                self._prefill()
+            else:
+                self._decode()
 
     # -- the two kinds of step ----------------------------------------------------------------
 

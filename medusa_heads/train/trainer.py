@@ -226,7 +226,7 @@ class Trainer:
         acc, config = self.accelerator, self.config
         if self.checkpoint_dir.exists() and not resume:
             raise ValueError(f"{self.checkpoint_dir} exists: pass --resume to continue it, or choose another --out")
-        if self.model.heads.token_map is not None:
+        if config.draft_vocab:  # fresh heads choose their tokens; heads trained further keep theirs
             heads = self.model.heads.config
             tokens, coverage = most_frequent_tokens(train, heads.draft_vocab, heads.vocab_size)
             self.model.heads.set_token_map(tokens.to(self.model.heads.token_map.device))
