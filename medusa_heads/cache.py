@@ -72,9 +72,12 @@ class TreeCache(Cache):
         `rows` (B',) runs the pass on those rows only (e.g. a prefill in chunks of similar lengths)."""
         if visible > self.max_len:
             raise RuntimeError(f"KV cache of {self.max_len} slots cannot hold {visible} tokens")
+        every = torch.arange(self.lengths.shape[0], device=self.lengths.device)
+        if rows is not None and rows.shape == every.shape and torch.equal(rows, every):
+            rows = None  # all rows in order: the buffers are read in place, not gathered
         self.subset = rows
         if rows is None:
-            rows = torch.arange(self.lengths.shape[0], device=self.lengths.device)
+            rows = every
         offsets = torch.arange(query_length, device=self.lengths.device)
         self.write_index = (rows[:, None], self.lengths[rows, None] + offsets)
         self.visible = visible

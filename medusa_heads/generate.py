@@ -143,15 +143,13 @@ class Decoder:
         longest = max(self.rows[i].max_new_tokens for i in ids_of_rows)
         cache = TreeCache(layers, len(prompts), int(lengths.max()) + longest + self.tree.size, self.device)
         last = None  # (B, H) hidden state of each prompt's last token
-        chunks = _similar_lengths(prompts)  # little padding, bounded memory
-        whole = len(chunks) == 1  # one pass over every row, in order: the cache is used in place
-        for chunk in [list(range(len(prompts)))] if whole else chunks:
+        for chunk in _similar_lengths(prompts):  # little padding, bounded memory
             width = max(len(prompts[b]) for b in chunk)
             ids = pad_batch([prompts[b] for b in chunk])[0].to(self.device)
             positions = torch.arange(width, device=self.device).expand(len(chunk), width)
             allowed = positions[:, :, None] >= positions[:, None, :]  # causal, (B', T, T)
             rows = torch.tensor(chunk, device=self.device)
-            hidden = self._forward(cache, ids, positions, allowed[:, None], visible=width, rows=None if whole else rows)
+            hidden = self._forward(cache, ids, positions, allowed[:, None], visible=width, rows=rows)
             if last is None:
                 last = hidden.new_empty(len(prompts), hidden.shape[-1])
             last[rows] = hidden[torch.arange(len(chunk), device=self.device), lengths[rows] - 1]
@@ -373,7 +371,8 @@ PREFILL_TOKENS = 4096  # padded tokens per prefill pass (one longer prompt goes 
 
 
 def _similar_lengths(prompts: list[list[int]]) -> list[list[int]]:
-    """Indices of the prompts in groups of similar lengths, each at most PREFILL_TOKENS padded tokens."""
+    """Indices of the prompts in groups of similar lengths, each at most PREFILL_TOKENS padded tokens
+    (each group in index order, so that one group of everything is the whole batch as it stands)."""
     order = sorted(range(len(prompts)), key=lambda b: len(prompts[b]))
     groups: list[list[int]] = []
     for b in order:  # ascending, so the newest prompt is the group's longest
@@ -381,7 +380,7 @@ def _similar_lengths(prompts: list[list[int]]) -> list[list[int]]:
             groups[-1].append(b)
         else:
             groups.append([b])
-    return groups
+    return [sorted(group) for group in groups]
 
 
 def pad_batch(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

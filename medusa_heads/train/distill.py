@@ -140,7 +140,8 @@ class LocalAnswerer:
     sampled run repeats only with the same batch size and no interruption)."""
 
     def __init__(self, model, max_new_tokens: int, temperature: float, seed: int | None = None, batch_size: int = 16):
-        self.model, self.tokenizer = model, model.require_tokenizer()
+        model.require_tokenizer()
+        self.model = model
         self.decoder = Decoder(model, Tree.load("plain"))
         self.max_new_tokens, self.batch_size, self.seed = max_new_tokens, batch_size, seed
         self.sampling = Sampling() if temperature == 0 else Sampling("exact", temperature)
