@@ -36,4 +36,4 @@ def test_train_with_torchrun_two_processes(tmp_path):
     assert config["num_heads"] == 2 and len(config["history"]) == 2
     loaded = MedusaModel.from_pretrained(base, heads=out)
     assert loaded.heads(torch.zeros(1, 32)).shape == (2, 1, 16)
-    assert sorted(p.name for p in (out / "hidden-cache").glob("part-*")) == ["part-00000.safetensors"]
+    assert len(list((out / "hidden-cache").glob("part-*.safetensors"))) == 1

@@ -4,12 +4,13 @@ import json
 
 import pytest
 import torch
+from accelerate import Accelerator
 from conftest import tiny_model
 from tiny import tiny_tokenizer
 
-from medusa_heads import MedusaModel
+from medusa_heads import MedusaModel, adapter
 from medusa_heads.train.data import IGNORE, DataError, Example, read_conversations, tokenize
-from medusa_heads.train.trainer import TrainConfig, Trainer, TrainModule
+from medusa_heads.train.trainer import HiddenCache, TrainConfig, Trainer, TrainModule
 
 
 def test_labels_cover_only_assistant_tokens():
@@ -154,3 +155,21 @@ def test_unicode_line_separators_inside_strings(tmp_path):
     path.write_text(json.dumps(record, ensure_ascii=False) + "\n")
     conversations, _ = read_conversations(path)
     assert conversations[0][0]["content"] == "a\u2028b\x0cc"
+
+
+def test_hidden_cache_runs_only_conversations_it_has_not_seen(tmp_path):
+    model, accelerator = tiny_medusa(), Accelerator(cpu=True)
+    first, more = ([counting_examples(1, length=n)[0] for n in lengths] for lengths in (range(20, 25), range(30, 34)))
+    cache = HiddenCache(tmp_path, model, accelerator)
+    cache.PART = 2
+    before = cache.states(model, first, accelerator)
+    assert len(list(tmp_path.glob("part-*.safetensors"))) == 3
+    body, runs = adapter.decoder(model.base_model), []
+    body.register_forward_hook(lambda *_: runs.append(1))
+    grown = more[:2] + first[::-1] + more[2:]  # more data, another order
+    states = cache.states(model, grown, accelerator)
+    assert len(runs) == len(more)
+    assert all(torch.equal(a, b) for a, b in zip(states[2:7], before[::-1], strict=True))
+    with torch.no_grad():
+        expected = body(input_ids=torch.tensor([more[3].input_ids])).last_hidden_state[0].half()
+    assert torch.equal(states[-1], expected)

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tqdm import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
@@ -86,45 +86,70 @@ def most_frequent_tokens(examples: list[Example], count: int, vocab_size: int) -
 
 
 class HiddenCache:
-    """The frozen backbone's last hidden states per example, in float16 safetensors parts on disk."""
+    """The frozen backbone's last hidden states, in float16 safetensors parts on disk.
 
-    PART = 256  # examples per file
+    Each state is stored under a hash of its conversation's tokens, so more data, a new split or
+    a reordering reuses every state already computed; only conversations not yet seen are run.
+    A part is named after the hash of its keys: processes never write the same file.
+    """
 
-    def __init__(self, directory: Path, model, examples: list[Example], accelerator: Accelerator):
+    PART = 256  # conversations per file
+
+    def __init__(self, directory: Path, model, accelerator: Accelerator):
         self.directory = directory
-        tokens = hashlib.sha256()
-        for e in examples:
-            tokens.update(torch.tensor(e.input_ids, dtype=torch.int32).numpy().tobytes() + b"|")
-        fingerprint = {"base": model.base_name, "examples": len(examples), "tokens": tokens.hexdigest()}
         meta = directory / "meta.json"
         if accelerator.is_main_process:
-            if meta.exists() and json.loads(meta.read_text()) != fingerprint:
+            if meta.exists() and json.loads(meta.read_text()) != {"base": model.base_name}:
                 for part in directory.glob("part-*.safetensors"):
-                    part.unlink()  # made from other data or another model: start over
+                    part.unlink()  # made by another model (or an older layout): start over
             directory.mkdir(parents=True, exist_ok=True)
-            meta.write_text(json.dumps(fingerprint))
+            meta.write_text(json.dumps({"base": model.base_name}))
         accelerator.wait_for_everyone()
-        self.states: list[torch.Tensor] = []
 
-    def build(self, model, examples: list[Example], accelerator: Accelerator) -> None:
-        parts = math.ceil(len(examples) / self.PART)
-        mine = [p for p in range(parts) if p % accelerator.num_processes == accelerator.process_index]
+    @staticmethod
+    def key(example: Example) -> str:
+        return hashlib.sha256(torch.tensor(example.input_ids, dtype=torch.int32).numpy().tobytes()).hexdigest()[:32]
+
+    def _stored_keys(self) -> set[str]:
+        keys: set[str] = set()
+        for part in self.directory.glob("part-*.safetensors"):
+            with safe_open(part, "pt") as f:
+                keys.update(f.keys())
+        return keys
+
+    def states(self, model, examples: list[Example], accelerator: Accelerator) -> list[torch.Tensor]:
+        """One (T, hidden) float16 state per example, computing and storing the missing ones."""
+        stored = self._stored_keys()
+        accelerator.wait_for_everyone()  # every process has listed the parts before any is written
+        missing = {}
+        for e in examples:
+            if (k := self.key(e)) not in stored:
+                missing.setdefault(k, e)
+        keys = list(missing)
+        chunks = [keys[i : i + self.PART] for i in range(0, len(keys), self.PART)]
+        mine = chunks[accelerator.process_index :: accelerator.num_processes]
         body = adapter.decoder(model.base_model)
-        for p in tqdm(mine, desc="caching hidden states", disable=not accelerator.is_local_main_process):
-            path = self.directory / f"part-{p:05d}.safetensors"
-            if path.exists():
-                continue
-            chunk = examples[p * self.PART : (p + 1) * self.PART]
+        bar = tqdm(total=sum(map(len, mine)), desc="caching hidden states",
+                   disable=not accelerator.is_local_main_process)
+        for chunk in mine:
+            states = {}
             with torch.inference_mode():
-                states = {str(i): body(input_ids=torch.tensor([e.input_ids], device=model.device))
-                          .last_hidden_state[0].to("cpu", torch.float16) for i, e in enumerate(chunk)}
+                for k in chunk:
+                    ids = torch.tensor([missing[k].input_ids], device=model.device)
+                    states[k] = body(input_ids=ids).last_hidden_state[0].to("cpu", torch.float16)
+                    bar.update(1)
+            path = self.directory / f"part-{hashlib.sha256(''.join(chunk).encode()).hexdigest()[:16]}.safetensors"
             tmp = path.with_suffix(".tmp")
             save_file(states, tmp)
             tmp.rename(path)  # a part is either complete or absent
+        bar.close()
         accelerator.wait_for_everyone()
-        for p in range(parts):
-            part = load_file(self.directory / f"part-{p:05d}.safetensors")
-            self.states.extend(part[str(i)] for i in range(len(part)))
+        wanted = {self.key(e) for e in examples}
+        found: dict[str, torch.Tensor] = {}
+        for part in self.directory.glob("part-*.safetensors"):
+            with safe_open(part, "pt") as f:
+                found.update((k, f.get_tensor(k)) for k in f.keys() if k in wanted)
+        return [found[self.key(e)] for e in examples]
 
 
 def batches_for_epoch(count: int, epoch: int, config: TrainConfig, accelerator: Accelerator) -> list[list[int]]:
@@ -233,9 +258,7 @@ class Trainer:
             acc.print(f"draft vocabulary: the {heads.draft_vocab} most frequent answer tokens cover {coverage:.2%}")
         states = None
         if config.mode == "medusa1" and config.cache_hidden:
-            cache = HiddenCache(self.out / "hidden-cache", self.model, train, acc)
-            cache.build(self.model, train, acc)
-            states = cache.states
+            states = HiddenCache(self.out / "hidden-cache", self.model, acc).states(self.model, train, acc)
         steps_per_epoch = len(batches_for_epoch(len(train), 0, config, acc))
         total_steps = steps_per_epoch * config.epochs
         groups = [{"params": [p for p in self.module.heads.parameters() if p.requires_grad],
