@@ -30,8 +30,13 @@ def load_model(args: argparse.Namespace, **kwargs):
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     hf = {} if args.dtype == "auto" else {"dtype": getattr(torch, args.dtype)}
     kwargs.setdefault("projection", "shared")  # fresh heads only: an own copy of lm_head would change nothing
-    model = MedusaModel.from_pretrained(args.base, heads=args.heads, **hf, **kwargs)
-    return model.to(device)
+    model = MedusaModel.from_pretrained(args.base, heads=args.heads, **hf, **kwargs).to(device)
+    return model.compile_decoding() if getattr(args, "compile", False) else model
+
+
+def add_compile_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--compile", action="store_true",
+                        help="decoding passes through torch.compile: faster steps after minutes of compiling")
 
 
 def add_decoding_args(parser: argparse.ArgumentParser) -> None:
@@ -109,6 +114,7 @@ def cmd_bench_load(args: argparse.Namespace) -> None:
 def setup_bench_load(p: argparse.ArgumentParser) -> None:
     p.add_argument("--questions", required=True, help="Spec-Bench JSONL; first turns are the requests")
     add_model_args(p)
+    add_compile_arg(p)
     p.add_argument("--batch-sizes", default="1,2,4,8")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--limit", type=int, default=None, help="first Q questions only")
@@ -119,6 +125,7 @@ def setup_bench_load(p: argparse.ArgumentParser) -> None:
 def setup_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--questions", required=True, help="Spec-Bench JSONL (question_id, category, turns)")
     add_model_args(p)
+    add_compile_arg(p)
     p.add_argument("--methods", default="hf,hf-pld,plain,medusa",
                    help="comma-separated: hf, hf-pld, plain, medusa, medusa:TREE (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -148,6 +155,7 @@ def cmd_distill(args: argparse.Namespace) -> None:
 
 def setup_distill(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
+    add_compile_arg(p)
     p.add_argument("--prompts", required=True, help='JSONL of {"turns": [...]} or ShareGPT (assistant turns redone)')
     p.add_argument("--out", required=True, help="ShareGPT JSONL to write (resumes if it exists)")
     p.add_argument("--max-new-tokens", type=int, default=512)
@@ -236,6 +244,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 def setup_serve(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
+    add_compile_arg(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-concurrency", type=int, default=4, help="requests decoded at once")
@@ -254,6 +263,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
 def setup_chat(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
+    add_compile_arg(p)
     add_decoding_args(p)
 
 
@@ -280,6 +290,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 
 def setup_calibrate(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
+    add_compile_arg(p)
     p.add_argument("--prompts", required=True, help='JSONL of {"turns": [...]} or ShareGPT; first turns are used')
     p.add_argument("--out", required=True, help="tree JSON to write")
     p.add_argument("--limit", type=int, default=20, help="prompts to answer for the accuracies (default 20)")
@@ -291,6 +302,7 @@ def setup_calibrate(p: argparse.ArgumentParser) -> None:
 def setup_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt")
     add_model_args(p)
+    add_compile_arg(p)
     add_decoding_args(p)
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     p.add_argument("--json", action="store_true", help="print text, new tokens, steps, mean accepted length, tok/s")
@@ -298,6 +310,7 @@ def setup_generate(p: argparse.ArgumentParser) -> None:
 
 def setup_demo(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
+    add_compile_arg(p)
     p.add_argument("--max-new-tokens", type=int, default=128)
 
 

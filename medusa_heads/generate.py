@@ -182,7 +182,7 @@ class Decoder:
         in_tree = (rel >= 0) & (rel < n)
         tree_part = self.tree_mask[:, rel.clamp(0, n - 1)].permute(1, 0, 2) & in_tree[:, None]  # (B, n, S)
         allowed = (rel < 0)[:, None, :] | tree_part
-        hidden = self._forward(self.cache, tokens, positions, allowed[:, None], visible=slots.numel())
+        hidden = self._forward(self.cache, tokens, positions, allowed[:, None], visible=slots.numel(), compiled=True)
         logits = adapter.logits(self.model.base_model, hidden)  # (B, n, V)
         path = torch.empty(batch, self.retrieve.shape[1], dtype=torch.long, device=self.device)
         count = torch.empty(batch, dtype=torch.long, device=self.device)
@@ -198,14 +198,15 @@ class Decoder:
         emitted[rows, count] = next_token  # the bonus goes right after the accepted candidates
         self._emit(emitted, count + 1, positions=range(batch))
 
-    def _forward(self, cache: TreeCache, ids, positions, allowed, visible: int, rows=None) -> torch.Tensor:
+    def _forward(self, cache: TreeCache, ids, positions, allowed, visible: int, rows=None,
+                 compiled: bool = False) -> torch.Tensor:
         """Run the base model's decoder over ids, writing their keys/values into the cache (into
-        `rows` of it only, when given)."""
+        `rows` of it only, when given); `compiled`: through the model's compiled decoder, if any."""
         cache.prepare(ids.shape[1], visible, rows)
         base = self.model.base_model
         mask = adapter.attention_mask(base.config, allowed, positions, base.dtype)
-        out = adapter.decoder(base)(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                                    use_cache=True)
+        body = (compiled and self.model.compiled_decoder) or adapter.decoder(base)
+        out = body(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
         return out.last_hidden_state
 
     # -- bookkeeping --------------------------------------------------------------------------

@@ -6,6 +6,14 @@ than the same product written as W @ x^T (measured on a 2-core AVX2 machine: lm_
 SmolLM2-135M over 2 rows 18.8 ms -> 4.9 ms, over 16 rows 20.3 -> 14.6 ms). The decoder's linear
 layers take that route during a decoding step only (transformers' own generate is untouched). Set
 MEDUSA_HEADS_SKINNY_MATMUL=0 to turn it off.
+
+Compiled decoding passes (opt-in: `MedusaModel.compile_decoding()`, `--compile`): the decoder's
+verification passes run through torch.compile, which fuses the many small operations around the
+matrix products (norms, rotary embeddings, residuals, cache writes) that eager mode runs one by one.
+Shapes are dynamic (batch, tree size and cache length change between passes), so it compiles once
+for one-token passes and once for tree passes (and again for batch 1 vs more); the first compile
+takes minutes on a small CPU, later processes reuse inductor's on-disk cache (faster, not instant).
+Prefill stays eager.
 """
 
 from __future__ import annotations
@@ -25,7 +33,8 @@ _in_step = ContextVar("medusa_heads_decoding_step", default=False)
 
 def _linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // max(1, x.shape[-1])
-    if _in_step.get() and x.device.type == "cpu" and 1 < rows <= SKINNY_ROWS:
+    # a compiled graph only ever runs inside decoding steps (and the context variable cannot be traced)
+    if x.device.type == "cpu" and 1 < rows <= SKINNY_ROWS and (torch.compiler.is_compiling() or _in_step.get()):
         out = (module.weight @ x.reshape(rows, x.shape[-1]).T).T.reshape(*x.shape[:-1], module.out_features)
         return out if module.bias is None else out + module.bias
     return F.linear(x, module.weight, module.bias)
@@ -48,3 +57,8 @@ def decoding_step():
         yield
     finally:
         _in_step.reset(token)
+
+
+def compiled_decoder(body: nn.Module):
+    """body's forward (the decoder that returns last hidden states) through torch.compile, with dynamic shapes."""
+    return torch.compile(body.forward, dynamic=True)

@@ -161,3 +161,18 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="tokenizer"):
         model.generate(ids, stop="x")
     assert model.generate(ids, max_new_tokens=3).steps >= 1  # default tree falls back to a chain of 2
+
+
+def test_compiled_decoding_equals_eager():
+    """torch.compile'd verification passes (dynamic batch, tree size and cache length) give the same tokens."""
+    model = medusa_tiny("llama")
+    prompts = [[3, 4, 5, 6, 7, 8, 9], [10], [11, 12, 3]]
+    ids, mask = generate_module.pad_batch(prompts)
+    eager = {tree: model.generate(ids, attention_mask=mask, max_new_tokens=20, tree=tree, eos_token_id=[])
+             for tree in ["plain", "reference"]}
+    model.compile_decoding()
+    for tree, expected in eager.items():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=20, tree=tree, eos_token_id=[])
+        assert out.new_tokens == expected.new_tokens, tree
+    solo = model.generate(torch.tensor([prompts[0]]), max_new_tokens=20, tree="reference", eos_token_id=[])
+    assert torch.equal(solo.sequences, hf_greedy(model.base_model, torch.tensor([prompts[0]]), 20))
