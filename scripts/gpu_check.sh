@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check, under 5 minutes on one CUDA GPU, no network: the CUDA-relevant tests (greedy equality
 # with transformers for every family and tree, batching, chunked prefill, stop rules) on the GPU, then plain vs Medusa
-# speed and the cost curve c(n) (scripts/gpu_check.py). Results go to the folder given.
+# speed, the cost curve c(n) and compiled decoding (scripts/gpu_check.py). Results go to the folder given.
 #
 #   scripts/gpu_check.sh OUT_DIR
 #
@@ -19,10 +19,10 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
-MEDUSA_TEST_DEVICE=cuda timeout 150 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_generate.py \
+MEDUSA_TEST_DEVICE=cuda timeout 120 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_generate.py \
   -m "not integration" 2>&1 | tee "$OUT/tests.log" | tail -5
 tests=${PIPESTATUS[0]}
-timeout 120 "$PYTHON" scripts/gpu_check.py "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40
+timeout 170 "$PYTHON" scripts/gpu_check.py "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40
 bench=${PIPESTATUS[0]}
 echo "tests exit $tests, benchmark exit $bench (results in $OUT)"
 [ "$tests" = 0 ] && [ "$bench" = 0 ]
