@@ -31,7 +31,10 @@ def load_model(args: argparse.Namespace, **kwargs):
     hf = {} if args.dtype == "auto" else {"dtype": getattr(torch, args.dtype)}
     kwargs.setdefault("projection", "shared")  # fresh heads only: an own copy of lm_head would change nothing
     model = MedusaModel.from_pretrained(args.base, heads=args.heads, **hf, **kwargs).to(device)
-    return model.compile_decoding() if getattr(args, "compile", False) else model
+    if not getattr(args, "compile", False):
+        return model
+    print("--compile: the first decoding passes compile (minutes on a small CPU, faster once cached)", file=sys.stderr)
+    return model.compile_decoding()
 
 
 def add_compile_arg(parser: argparse.ArgumentParser) -> None:

@@ -22,13 +22,17 @@ def test_help_lists_every_subcommand():
 
 
 def test_generate_json(tiny_folder):
-    out = medusa("generate", "c d e", "--base", str(tiny_folder), "--raw", "--json", "--max-new-tokens", "12",
-                 "--tree", "chain-3")
+    args = ["generate", "c d e", "--base", str(tiny_folder), "--raw", "--json", "--max-new-tokens", "12",
+            "--tree", "chain-3"]
+    out = medusa(*args)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert 1 <= result["new_tokens"] <= 12 and result["steps"] <= result["new_tokens"]
     assert result["mean_accepted_length"] >= 1
     assert set(result) == {"text", "new_tokens", "steps", "mean_accepted_length", "tokens_per_second"}
+    compiled = medusa(*args, "--compile")
+    assert compiled.returncode == 0, compiled.stderr
+    assert json.loads(compiled.stdout)["text"] == result["text"] and "--compile" in compiled.stderr
 
 
 def test_generate_streams_text(tiny_folder):
