@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${DATA:-../shared/data}
 WORK=${WORK:-runs/default-heads}
-PROMPTS=${PROMPTS:-2500}   # prompts to distill (continuously batched, 64 at a time)
+PROMPTS=${PROMPTS:-3201}   # prompts to distill (continuously batched, 64 at a time)
 EPOCHS=${EPOCHS:-3}
 HEADS=${HEADS:-4}
 MEDUSA=.venv/bin/medusa
