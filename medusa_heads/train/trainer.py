@@ -121,9 +121,10 @@ class HiddenCache:
         """One (T, hidden) float16 state per example, computing and storing the missing ones."""
         stored = self._stored_keys()
         accelerator.wait_for_everyone()  # every process has listed the parts before any is written
+        wanted = [self.key(e) for e in examples]
         missing = {}
-        for e in examples:
-            if (k := self.key(e)) not in stored:
+        for k, e in zip(wanted, examples, strict=True):
+            if k not in stored:
                 missing.setdefault(k, e)
         keys = list(missing)
         chunks = [keys[i : i + self.PART] for i in range(0, len(keys), self.PART)]
@@ -144,12 +145,12 @@ class HiddenCache:
             tmp.rename(path)  # a part is either complete or absent
         bar.close()
         accelerator.wait_for_everyone()
-        wanted = {self.key(e) for e in examples}
+        needed = set(wanted)
         found: dict[str, torch.Tensor] = {}
         for part in self.directory.glob("part-*.safetensors"):
             with safe_open(part, "pt") as f:
-                found.update((k, f.get_tensor(k)) for k in f.keys() if k in wanted)
-        return [found[self.key(e)] for e in examples]
+                found.update((k, f.get_tensor(k)) for k in f.keys() if k in needed)
+        return [found[k] for k in wanted]
 
 
 def batches_for_epoch(count: int, epoch: int, config: TrainConfig, accelerator: Accelerator) -> list[list[int]]:
