@@ -17,9 +17,9 @@ def head_hits(model, sequence: torch.Tensor, start: int, max_rank: int = 10) -> 
     """
     base = model.base_model
     ids = sequence[None].to(model.device)
-    hidden = adapter.decoder(base)(input_ids=ids).last_hidden_state[0, start - 1 :]  # (A, H)
-    top = model.heads.propose(hidden, max_rank)  # (K, A, r) token ids
+    hidden = adapter.decoder(base)(input_ids=ids).last_hidden_state[0, start - 1 : -1]  # (A, H)
     answer = ids[0, start - 1 :]
+    top = model.heads.propose(hidden, max_rank, next_token=answer[1:])  # (K, A, r) token ids
     hits = torch.zeros(top.shape[0], max_rank, dtype=torch.long)
     counts = torch.zeros(top.shape[0], dtype=torch.long)
     for k in range(top.shape[0]):

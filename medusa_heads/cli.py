@@ -15,9 +15,10 @@ DEMO_PROMPTS = [
 ]
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
+def add_model_args(parser: argparse.ArgumentParser,
+                   heads_help: str = "heads folder (default: the heads shipped for the default model)") -> None:
     parser.add_argument("--base", help="hub id, HF folder or GGUF file (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--heads", help="heads folder (default: the heads shipped for the default model)")
+    parser.add_argument("--heads", help=heads_help)
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default: auto)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
 
@@ -175,9 +176,13 @@ def setup_distill(p: argparse.ArgumentParser) -> None:
 def cmd_train(args: argparse.Namespace) -> None:
     from .train.trainer import TrainConfig, Trainer, prepare_examples
 
+    from .default import default_base_dir
+
     config = TrainConfig(**{k: getattr(args, k) for k in TrainConfig.__dataclass_fields__ if hasattr(args, k)})
+    if args.base is None:  # named, so that the default base gets fresh heads, not the shipped ones
+        args.base = str(default_base_dir())
     model = load_model(args, num_heads=config.num_heads, num_layers=config.num_layers, projection=config.projection,
-                       draft_vocab=config.draft_vocab)
+                       draft_vocab=config.draft_vocab, next_token=config.next_token)
     train, held_out, skipped = prepare_examples(model, args.data, config)
     if skipped:
         print(f"skipped {skipped} malformed records")
@@ -191,7 +196,7 @@ def setup_train(p: argparse.ArgumentParser) -> None:
     from .train.trainer import TrainConfig
 
     d = TrainConfig()
-    add_model_args(p)
+    add_model_args(p, heads_help="heads folder to train further (default: fresh heads)")
     p.add_argument("--data", required=True, help="ShareGPT / messages JSON or JSONL")
     p.add_argument("--out", required=True, help="folder for the heads (and checkpoints)")
     p.add_argument("--mode", choices=["medusa1", "medusa2"], default=d.mode)
@@ -200,11 +205,15 @@ def setup_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--projection", choices=["own", "shared"], default=d.projection)
     p.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
                    help="shared projection: heads propose only the N most frequent answer tokens (cheaper)")
+    p.add_argument("--next-token", action="store_true",
+                   help="heads also read the base model's next token (more accurate; native format only)")
     p.add_argument("--epochs", type=int, default=d.epochs)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--max-length", type=int, default=d.max_length)
     p.add_argument("--decay", type=float, default=d.decay, help="head k's loss weight is decay**k")
+    p.add_argument("--soft-targets", action="store_true",
+                   help="heads learn the base model's whole next-token distribution, not only its token")
     p.add_argument("--eval-fraction", type=float, default=d.eval_fraction)
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
     p.add_argument("--seed", type=int, default=d.seed)

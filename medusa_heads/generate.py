@@ -172,7 +172,7 @@ class Decoder:
         batch, n = self.root.shape[0], self.tree.size
         tokens = self.root[:, None]
         if n > 1:
-            top = self.model.heads.propose(self.hidden, self.tree.topk, num_heads=self.tree.depth)  # (D, B, topk)
+            top = self.model.heads.propose(self.hidden, self.tree.topk, self.tree.depth, self.root)  # (D, B, topk)
             candidates = top.permute(1, 0, 2).reshape(batch, -1)[:, self.cand_index]  # (B, n-1)
             tokens = torch.cat([tokens, candidates], dim=1)  # (B, n)
         lengths = self.cache.lengths

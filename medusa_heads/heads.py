@@ -18,6 +18,7 @@ class HeadsConfig:
     hidden_size: int = 0  # width of the base model's last hidden state
     vocab_size: int = 0  # rows of the base model's lm_head
     draft_vocab: int = 0  # > 0: the heads propose only these tokens (`token_map`), a cheaper projection
+    next_token: bool = False  # heads also read the base model's next token (the tree's root), known before they guess
 
     def __post_init__(self) -> None:
         if self.projection not in PROJECTIONS:
@@ -48,6 +49,11 @@ class ResBlock(nn.Module):
 class MedusaHeads(nn.Module):
     """K Medusa heads over the base model's last hidden state.
 
+    `next_token` heads also read the token the base model chose at that position (the tree's root):
+    head k adds a learned map (starting at zero) of that token's lm_head row, RMS-normalised, to the hidden state
+    before its blocks, so that it guesses token t + k + 2 knowing token t + 1 (as Hydra's heads do
+    for their first token).
+
     `own` projection: each head has a vocabulary projection, initialised as a copy of lm_head.
     `shared` projection: every head reuses the base lm_head, which stays frozen and is not part of
     this module's parameters (nor of its saved weights). With a draft vocabulary, only the lm_head
@@ -62,6 +68,8 @@ class MedusaHeads(nn.Module):
             nn.Sequential(*(ResBlock(config.hidden_size) for _ in range(config.num_layers)))
             for _ in range(config.num_heads)
         )
+        self.token_inputs = nn.ModuleList(_zero_linear(config.hidden_size) for _ in range(config.num_heads)) if (
+            config.next_token) else None
         if config.projection == "own":
             self.projections = nn.ModuleList(_copy_linear(lm_head) for _ in range(config.num_heads))
         else:
@@ -86,21 +94,30 @@ class MedusaHeads(nn.Module):
             self.token_map.copy_(token_ids)
             self.draft_weight.copy_(self.base_lm_head.weight[self.token_map.to(self.base_lm_head.weight.device)])
 
-    def head_logits(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
-        """Logits of head k (0-based): (*hidden.shape[:-1], vocab or draft_vocab)."""
-        return self._project(self.blocks[k](hidden.to(self._dtype)), k)
+    def head_logits(self, hidden: torch.Tensor, k: int, next_token: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of head k (0-based): (*hidden.shape[:-1], vocab or draft_vocab); `next_token`
+        (hidden.shape[:-1]) is the base model's token at each position, for next_token heads."""
+        return self._project(self._head_input(hidden, k, next_token), k)
 
-    def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, num_heads: int | None = None,
+                next_token: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of the first num_heads heads (default all): (K, *hidden.shape[:-1], vocab or draft_vocab)."""
         count = self.config.num_heads if num_heads is None else num_heads
         if self.projections is None:  # one vocabulary matmul for all heads
-            return self._project(torch.stack([self.blocks[k](hidden.to(self._dtype)) for k in range(count)]))
-        return torch.stack([self.head_logits(hidden, k) for k in range(count)])
+            return self._project(torch.stack([self._head_input(hidden, k, next_token) for k in range(count)]))
+        return torch.stack([self.head_logits(hidden, k, next_token) for k in range(count)])
 
-    def propose(self, hidden: torch.Tensor, topk: int, num_heads: int | None = None) -> torch.Tensor:
+    def propose(self, hidden: torch.Tensor, topk: int, num_heads: int | None = None,
+                next_token: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids of each head's top-k guesses, best first: (K, *hidden.shape[:-1], topk)."""
-        top = self(hidden, num_heads).topk(topk, dim=-1).indices
+        top = self(hidden, num_heads, next_token).topk(topk, dim=-1).indices
         return top if self.token_map is None else self.token_map[top]
+
+    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The base lm_head's logits over the tokens the heads can propose (draft or full vocabulary)."""
+        if self.projections is not None:
+            return self.base_lm_head(hidden.to(self.base_lm_head.weight.dtype))
+        return self._project(hidden)
 
     def draft_index(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Where each token id sits in the heads' logits; -1 for tokens outside the draft vocabulary."""
@@ -109,6 +126,15 @@ class MedusaHeads(nn.Module):
         lookup = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=token_ids.device)
         lookup[self.token_map.to(token_ids.device)] = torch.arange(len(self.token_map), device=token_ids.device)
         return lookup[token_ids]
+
+    def _head_input(self, hidden: torch.Tensor, k: int, next_token: torch.Tensor | None) -> torch.Tensor:
+        x = hidden.to(self._dtype)
+        if self.token_inputs is not None:
+            if next_token is None:
+                raise ValueError("these heads read the base model's next token: pass next_token")
+            rows = self.base_lm_head.weight[next_token.to(self.base_lm_head.weight.device)].to(self._dtype)
+            x = x + self.token_inputs[k](nn.functional.rms_norm(rows, rows.shape[-1:]))
+        return self.blocks[k](x)
 
     def _project(self, states: torch.Tensor, k: int | None = None) -> torch.Tensor:
         if self.projections is not None:
@@ -122,6 +148,12 @@ class MedusaHeads(nn.Module):
     @property
     def _dtype(self) -> torch.dtype:
         return next(self.parameters(), self.base_lm_head.weight).dtype
+
+
+def _zero_linear(size: int) -> nn.Linear:
+    layer = nn.Linear(size, size, bias=False)
+    nn.init.zeros_(layer.weight)
+    return layer
 
 
 def _copy_linear(lm_head: nn.Module) -> nn.Linear:

@@ -133,6 +133,9 @@ def export_heads(heads: MedusaHeads, out: str | Path, fmt: str, base_model: str 
     A draft vocabulary is not exported: the engines project onto the full vocabulary.
     """
     config = heads.config
+    if config.next_token:
+        raise ValueError("these heads read the base model's next token, which the engines' Medusa heads do not: "
+                         "only the native format holds them (train without --next-token to export)")
     if fmt == "tgi" and config.projection == "shared" and config.num_layers != 1:
         raise ValueError("TGI reads shared-projection heads (Medusa 'version 2') with exactly one layer")
     shared = heads.base_lm_head.weight if config.projection == "shared" else None

@@ -48,3 +48,21 @@ def test_user_errors_are_one_line_and_exit_2(tiny_folder):
     assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "unknown tree 'nope'" in out.stderr
     out = medusa("generate", "c", "--base", str(tiny_folder), "--heads", str(tiny_folder / "missing"))
     assert out.returncode == 2 and "does not exist" in out.stderr
+
+
+def test_train_on_the_default_base_builds_fresh_heads(tiny_folder, tmp_path, monkeypatch):
+    """Without --heads, `medusa train` makes the heads it is asked for, not the shipped ones."""
+    from medusa_heads import MedusaModel, cli, default
+
+    MedusaModel.from_pretrained(str(tiny_folder), num_heads=1).save_pretrained(tmp_path / "shipped")
+    monkeypatch.setattr(default, "default_base_dir", lambda: tiny_folder)
+    monkeypatch.setattr(default, "shipped_heads_dir", lambda: tmp_path / "shipped")
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "a b"},
+                                                     {"role": "assistant", "content": "c d e f g"}]}) + "\n"
+                            for _ in range(4)))
+    out = tmp_path / "heads"
+    assert cli.main(["train", "--data", str(data), "--out", str(out), "--num-heads", "2", "--num-layers", "2",
+                     "--next-token", "--epochs", "1", "--batch-size", "2"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["num_heads"], config["num_layers"], config["next_token"]) == (2, 2, True)

@@ -142,6 +142,14 @@ def test_tgi_refuses_deep_shared_heads(tmp_path):
         export_heads(model.heads, tmp_path, "tgi")
 
 
+@pytest.mark.parametrize("fmt", ["vllm", "tgi", "medusa"])
+def test_next_token_heads_are_not_exported(tmp_path, fmt):
+    model = MedusaModel.from_pretrained(tiny_model("llama"), num_heads=2, projection="shared", next_token=True)
+    with pytest.raises(ValueError, match="only the native format holds them"):
+        export_heads(model.heads, tmp_path, fmt)
+    assert not any(tmp_path.iterdir())
+
+
 def test_vllm_export_matches_what_vllm_reads(tmp_path, native, shared):
     """Names checked against vLLM's loader, vllm/model_executor/models/medusa.py (`Medusa.__init__`
     builds `blocks.{h}.layers.{l}` Linear layers with bias only when `medusa_fc_bias`, and

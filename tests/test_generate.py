@@ -37,6 +37,20 @@ def test_trees_are_exercised():
     assert max(out.accept_lengths[0]) >= 3 and out.mean_accepted_length > 1.3
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_next_token_heads_keep_greedy_exact(arch):
+    model = medusa_tiny(arch, next_token=True)
+    hidden = torch.randn(1, model.config.hidden_size)
+    assert not torch.equal(model.heads(hidden, next_token=torch.tensor([3])),
+                           model.heads(hidden, next_token=torch.tensor([4])))  # the guesses read the root
+    for trial in range(3):
+        ids = torch.randint(3, 16, (1, 4 + trial), generator=torch.Generator().manual_seed(trial))
+        expected = hf_greedy(model.base_model, ids, max_new_tokens=24)
+        for tree in TREES:
+            out = model.generate(ids, max_new_tokens=24, tree=tree, eos_token_id=[])
+            assert torch.equal(out.sequences, expected), (arch, tree, trial)
+
+
 def find_cut(model, fresh: bool):
     """A prompt and a (token, position) emitted in the middle of a multi-token step of the reference
     tree; with fresh=True, a token that did not appear before it."""

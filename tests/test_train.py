@@ -10,6 +10,7 @@ from tiny import tiny_tokenizer
 
 from medusa_heads import MedusaModel, adapter
 from medusa_heads.train.data import IGNORE, DataError, Example, read_conversations, tokenize
+from medusa_heads.train.losses import heads_loss
 from medusa_heads.train.trainer import HiddenCache, TrainConfig, Trainer, TrainModule
 
 
@@ -76,6 +77,51 @@ def test_heads_learn_the_right_offsets(tmp_path):
     assert saved["history"][-1]["accuracy"][0]["top1"] == accuracy[0]["top1"]
     reloaded = MedusaModel.from_pretrained(model.base_model, heads=tmp_path)
     assert torch.equal(reloaded.heads(hidden), model.heads(hidden))
+
+
+def test_next_token_heads_learn_what_follows_the_root(tmp_path):
+    """Pairs (r, r + 3): at a position before a random r, only a head that reads r can name r + 3."""
+    def pairs(count, seed):
+        generator = torch.Generator().manual_seed(seed)
+        examples = []
+        for _ in range(count):
+            ids = [t for r in torch.randint(6, 16, (12,), generator=generator).tolist() for t in (r, 6 + (r - 3) % 10)]
+            examples.append(Example(ids, list(ids)))
+        return examples
+
+    first_head = {}
+    for next_token in (False, True):
+        model = MedusaModel.from_pretrained(tiny_model("llama").float(), num_heads=1, projection="shared",
+                                            next_token=next_token, tokenizer=tiny_tokenizer())
+        config = TrainConfig(num_heads=1, projection="shared", next_token=next_token, epochs=8, lr=1e-2,
+                             batch_size=8, checkpoint_every=10_000)
+        result = Trainer(model, config, tmp_path / str(next_token)).fit(pairs(96, 0), pairs(16, 1))
+        first_head[next_token] = result["history"][-1]["accuracy"][0]["top1"]
+    # half the targets follow from the root (the other half are random: 0.1 by chance)
+    assert first_head[True] > 0.45 and first_head[False] < 0.3, first_head
+    reloaded = MedusaModel.from_pretrained(model.base_model, heads=tmp_path / "True")
+    assert reloaded.heads.config.next_token
+
+
+@pytest.mark.parametrize("projection,draft_vocab", [("own", 0), ("shared", 12)])
+def test_soft_targets_are_the_base_distribution_one_step_later(projection, draft_vocab):
+    heads = tiny_medusa(projection, num_heads=2, draft_vocab=draft_vocab).heads
+    torch.manual_seed(0)
+    for block in heads.blocks:
+        block[0].linear.weight.data.normal_(0, 0.3)
+    hidden = torch.randn(2, 7, heads.config.hidden_size)
+    labels = torch.randint(0, heads.config.vocab_size, (2, 7))
+    labels[1, :4] = IGNORE
+    loss, stats = heads_loss(heads, hidden, labels, decay=0.5, soft=True)
+    expected = 0.0
+    for k in range(2):  # head k at position t learns the base model's distribution at t + k + 1
+        terms = [-(heads.base_logits(hidden[b, t + k + 1]).softmax(-1) * heads.head_logits(hidden[b, t], k)
+                   .log_softmax(-1)).sum() for b in range(2) for t in range(7 - k - 2) if labels[b, t + k + 2] != IGNORE]
+        expected += 0.5**k * torch.stack(terms).mean()
+    assert torch.allclose(loss, expected, atol=1e-5)
+    assert stats[:, 2].tolist() == [8, 7]
+    if draft_vocab:
+        assert heads.base_logits(hidden).shape[-1] == draft_vocab
 
 
 def test_draft_vocabulary_is_the_most_frequent_answer_tokens(tmp_path):

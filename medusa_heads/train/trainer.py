@@ -38,11 +38,13 @@ class TrainConfig:
     num_layers: int = 1  # residual blocks per head
     projection: str = "own"  # "own" vocabulary projection per head, or "shared" base lm_head
     draft_vocab: int = 0  # shared projection: heads propose only the N most frequent answer tokens
+    next_token: bool = False  # heads also read the base model's next token (see HeadsConfig)
     epochs: int = 2
     lr: float = 1e-3  # heads' learning rate (Medusa-1); backbone's (Medusa-2)
     batch_size: int = 8  # conversations per optimiser step, over all processes
     max_length: int = 1024  # tokens per conversation, the rest is cut
     decay: float = 0.8  # head k's loss weight is decay**k
+    soft_targets: bool = False  # heads learn the base model's distribution, not only its token
     warmup_ratio: float = 0.05  # linear warm-up share of all steps, then cosine decay
     eval_fraction: float = 0.05  # held-out share for per-head accuracy
     seed: int = 0
@@ -205,10 +207,11 @@ class TrainModule(torch.nn.Module):
             if hidden is None:
                 with torch.no_grad():
                     hidden = adapter.decoder(self.base)(input_ids=ids, attention_mask=mask).last_hidden_state
-            return heads_loss(self.heads, hidden.float(), labels, config.decay)
+            return heads_loss(self.heads, hidden.float(), labels, config.decay, soft=config.soft_targets, ids=ids)
         out = self.base(input_ids=ids, attention_mask=mask, output_hidden_states=True)
         hidden = out.hidden_states[-1]
-        h_loss, stats = heads_loss(self.heads, (hidden if joint else hidden.detach()).float(), labels, config.decay)
+        h_loss, stats = heads_loss(self.heads, (hidden if joint else hidden.detach()).float(), labels, config.decay,
+                                     soft=config.soft_targets, ids=ids)
         if not joint:
             return h_loss, stats
         if config.kl:
@@ -320,7 +323,7 @@ class Trainer:
         for start in range(0, len(examples), 8):
             ids, labels, mask, _ = collate(examples[start : start + 8], self.accelerator.device)
             hidden = body(input_ids=ids, attention_mask=mask).last_hidden_state
-            totals += heads_loss(self.model.heads, hidden.float(), labels, self.config.decay)[1]
+            totals += heads_loss(self.model.heads, hidden.float(), labels, ids=ids)[1]
         return [{"top1": t[0].item() / max(1, t[2].item()), "top5": t[1].item() / max(1, t[2].item()),
                  "targets": t[2].item()} for t in totals]
 
