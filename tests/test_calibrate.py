@@ -29,8 +29,9 @@ def test_rank_accuracy_from_cumulative_hits():
     assert torch.tensor(rank_accuracy(hits, counts)).flatten().tolist() == pytest.approx([0.3, 0.2, 0.1, 0.1, 0.0, 0.3])
 
 
-def test_calibrate_on_a_tiny_model():
-    model = medusa_tiny("llama", num_heads=3)
+@pytest.mark.parametrize("next_token", [False, True])
+def test_calibrate_on_a_tiny_model(next_token):
+    model = medusa_tiny("llama", num_heads=3, next_token=next_token)
     prompts = [torch.tensor([[3, 4, 5]]), torch.tensor([[6, 7, 8, 9]])]
     result = calibrate(model, prompts, max_new_tokens=16, max_nodes=12, sizes=[1, 4, 12])
     assert [row["nodes"] for row in result["table"]] == [1, 4, 12]

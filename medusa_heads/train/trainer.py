@@ -260,9 +260,10 @@ class Trainer:
             tokens, coverage = most_frequent_tokens(train, heads.draft_vocab, heads.vocab_size)
             self.model.heads.set_token_map(tokens.to(self.model.heads.token_map.device))
             acc.print(f"draft vocabulary: the {heads.draft_vocab} most frequent answer tokens cover {coverage:.2%}")
-        states = None
+        states = held_states = None
         if config.mode == "medusa1" and config.cache_hidden:
-            states = HiddenCache(self.out / "hidden-cache", self.model, acc).states(self.model, train, acc)
+            cached = HiddenCache(self.out / "hidden-cache", self.model, acc).states(self.model, train + held_out, acc)
+            states, held_states = cached[: len(train)], cached[len(train) :]
         steps_per_epoch = len(batches_for_epoch(len(train), 0, config, acc))
         total_steps = steps_per_epoch * config.epochs
         groups = [{"params": [p for p in self.module.heads.parameters() if p.requires_grad],
@@ -304,7 +305,7 @@ class Trainer:
                 if position["global_step"] % config.checkpoint_every == 0:
                     self._checkpoint(position, history)
             bar.close()
-            accuracy = self.evaluate(held_out)
+            accuracy = self.evaluate(held_out, held_states)
             history.append({"epoch": epoch + 1, "seconds": time.perf_counter() - started, "train_tokens": tokens,
                             "accuracy": accuracy})
             acc.print(f"epoch {epoch + 1}: held-out top-1 / top-5 per head: "
@@ -315,14 +316,17 @@ class Trainer:
         return {"history": history}
 
     @torch.no_grad()
-    def evaluate(self, examples: list[Example]) -> list[dict]:
-        """Per-head top-1 / top-5 accuracy on held-out examples."""
+    def evaluate(self, examples: list[Example], states: list[torch.Tensor] | None = None) -> list[dict]:
+        """Per-head top-1 / top-5 accuracy on held-out examples (from their cached hidden states, if given)."""
         K = self.model.heads.config.num_heads
         totals = torch.zeros(K, 3, dtype=torch.long)
         body = adapter.decoder(self.model.base_model)
         for start in range(0, len(examples), 8):
-            ids, labels, mask, _ = collate(examples[start : start + 8], self.accelerator.device)
-            hidden = body(input_ids=ids, attention_mask=mask).last_hidden_state
+            chunk = slice(start, start + 8)
+            ids, labels, mask, hidden = collate(examples[chunk], self.accelerator.device,
+                                                None if states is None else states[chunk])
+            if hidden is None:
+                hidden = body(input_ids=ids, attention_mask=mask).last_hidden_state
             totals += heads_loss(self.model.heads, hidden.float(), labels, ids=ids)[1]
         return [{"top1": t[0].item() / max(1, t[2].item()), "top5": t[1].item() / max(1, t[2].item()),
                  "targets": t[2].item()} for t in totals]
