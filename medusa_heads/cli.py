@@ -174,9 +174,8 @@ def setup_distill(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from .train.trainer import TrainConfig, Trainer, prepare_examples
-
     from .default import default_base_dir
+    from .train.trainer import TrainConfig, Trainer, prepare_examples
 
     config = TrainConfig(**{k: getattr(args, k) for k in TrainConfig.__dataclass_fields__ if hasattr(args, k)})
     if args.base is None:  # named, so that the default base gets fresh heads, not the shipped ones
@@ -212,8 +211,6 @@ def setup_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--max-length", type=int, default=d.max_length)
     p.add_argument("--decay", type=float, default=d.decay, help="head k's loss weight is decay**k")
-    p.add_argument("--soft-targets", action="store_true",
-                   help="heads learn the base model's whole next-token distribution, not only its token")
     p.add_argument("--eval-fraction", type=float, default=d.eval_fraction)
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
     p.add_argument("--seed", type=int, default=d.seed)

@@ -113,12 +113,6 @@ class MedusaHeads(nn.Module):
         top = self(hidden, num_heads, next_token).topk(topk, dim=-1).indices
         return top if self.token_map is None else self.token_map[top]
 
-    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The base lm_head's logits over the tokens the heads can propose (draft or full vocabulary)."""
-        if self.projections is not None:
-            return self.base_lm_head(hidden.to(self.base_lm_head.weight.dtype))
-        return self._project(hidden)
-
     def draft_index(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Where each token id sits in the heads' logits; -1 for tokens outside the draft vocabulary."""
         if self.token_map is None:

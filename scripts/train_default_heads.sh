@@ -8,8 +8,9 @@ cd "$(dirname "$0")/.."
 DATA=${DATA:-../shared/data}
 WORK=${WORK:-runs/default-heads}
 PROMPTS=${PROMPTS:-3201}   # prompts to distill (continuously batched, 64 at a time)
-EPOCHS=${EPOCHS:-3}
+EPOCHS=${EPOCHS:-5}
 HEADS=${HEADS:-4}
+LAYERS=${LAYERS:-2}
 MEDUSA=.venv/bin/medusa
 mkdir -p "$WORK"
 [ -f "$DATA/train_prompts.jsonl" ] || { echo "$DATA/train_prompts.jsonl not found: set DATA=" >&2; exit 2; }
@@ -19,8 +20,8 @@ time "$MEDUSA" distill --prompts "$DATA/train_prompts.jsonl" --sample 12790 --se
 
 resume=()
 [ -d "$WORK/heads/checkpoint" ] && resume=(--resume)
-time "$MEDUSA" train --data "$WORK/distilled.jsonl" --out "$WORK/heads" --num-heads "$HEADS" --projection shared \
-  --draft-vocab 8192 --epochs "$EPOCHS" --batch-size 8 --lr 1e-3 "${resume[@]}"
+time "$MEDUSA" train --data "$WORK/distilled.jsonl" --out "$WORK/heads" --num-heads "$HEADS" --num-layers "$LAYERS" \
+  --next-token --projection shared --draft-vocab 8192 --epochs "$EPOCHS" --batch-size 8 --lr 1e-3 "${resume[@]}"
 
 time "$MEDUSA" calibrate --heads "$WORK/heads" --prompts "$DATA/train_prompts.jsonl" --exclude "$WORK/distilled.jsonl" \
   --limit 20 --out "$WORK/tree.json"

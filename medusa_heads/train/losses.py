@@ -22,15 +22,13 @@ def head_targets(labels: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def heads_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, decay: float = 0.8, topk: int = 5,
-               soft: bool = False, ids: torch.Tensor | None = None):
+               ids: torch.Tensor | None = None):
     """sum_k decay^k * CE_k over assistant targets; also per-head (top-1 hits, top-k hits, count).
 
     hidden: (B, T, H) last hidden states; labels: (B, T) with IGNORE outside assistant tokens; ids:
     (B, T) the tokens, which next_token heads read (token t + 1 at position t).
     Only positions with a target go through the vocabulary projection, one head at a time; with a
-    draft vocabulary, targets outside it count as misses and add no loss. soft: head k's target is
-    the base model's own distribution for token t + k + 2 (read from the hidden state at t + k + 1)
-    instead of the token alone, which teaches the heads the base model's runner-up guesses too.
+    draft vocabulary, targets outside it count as misses and add no loss.
     """
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_ids = None if ids is None else ids.reshape(-1)
@@ -43,13 +41,8 @@ def heads_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, decay: float =
         next_token = None if flat_ids is None else flat_ids[where + 1]
         logits = heads.head_logits(flat_hidden[where], k, next_token).float()  # (N, V or draft_vocab)
         index = heads.draft_index(target)  # -1: a token the heads cannot propose (a miss, no loss)
-        if soft:
-            with torch.no_grad():
-                teacher = heads.base_logits(flat_hidden[where + k + 1].detach()).float().softmax(-1)
-            total = total + decay**k * -(teacher * logits.log_softmax(-1)).sum(-1).mean()
-        else:
-            ce = F.cross_entropy(logits, index, ignore_index=-1, reduction="sum") / (index >= 0).sum().clamp_min(1)
-            total = total + decay**k * ce
+        ce = F.cross_entropy(logits, index, ignore_index=-1, reduction="sum") / (index >= 0).sum().clamp_min(1)
+        total = total + decay**k * ce
         with torch.no_grad():
             top = logits.topk(topk, dim=-1).indices
             stats[k, 0] = (top[:, 0] == index).sum()

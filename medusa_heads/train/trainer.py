@@ -44,7 +44,6 @@ class TrainConfig:
     batch_size: int = 8  # conversations per optimiser step, over all processes
     max_length: int = 1024  # tokens per conversation, the rest is cut
     decay: float = 0.8  # head k's loss weight is decay**k
-    soft_targets: bool = False  # heads learn the base model's distribution, not only its token
     warmup_ratio: float = 0.05  # linear warm-up share of all steps, then cosine decay
     eval_fraction: float = 0.05  # held-out share for per-head accuracy
     seed: int = 0
@@ -207,11 +206,11 @@ class TrainModule(torch.nn.Module):
             if hidden is None:
                 with torch.no_grad():
                     hidden = adapter.decoder(self.base)(input_ids=ids, attention_mask=mask).last_hidden_state
-            return heads_loss(self.heads, hidden.float(), labels, config.decay, soft=config.soft_targets, ids=ids)
+            return heads_loss(self.heads, hidden.float(), labels, config.decay, ids=ids)
         out = self.base(input_ids=ids, attention_mask=mask, output_hidden_states=True)
         hidden = out.hidden_states[-1]
         h_loss, stats = heads_loss(self.heads, (hidden if joint else hidden.detach()).float(), labels, config.decay,
-                                     soft=config.soft_targets, ids=ids)
+                                     ids=ids)
         if not joint:
             return h_loss, stats
         if config.kl:
