@@ -50,9 +50,9 @@ class MedusaHeads(nn.Module):
     """K Medusa heads over the base model's last hidden state.
 
     `next_token` heads also read the token the base model chose at that position (the tree's root):
-    head k adds a learned map (starting at zero) of that token's lm_head row, RMS-normalised, to the hidden state
-    before its blocks, so that it guesses token t + k + 2 knowing token t + 1 (as Hydra's heads do
-    for their first token).
+    head k adds a learned map (starting at zero) of that token's RMS-normalised lm_head row to the
+    hidden state before its blocks, so that it guesses token t + k + 2 knowing token t + 1 (as
+    Hydra's heads do for their first token).
 
     `own` projection: each head has a vocabulary projection, initialised as a copy of lm_head.
     `shared` projection: every head reuses the base lm_head, which stays frozen and is not part of
@@ -97,15 +97,17 @@ class MedusaHeads(nn.Module):
     def head_logits(self, hidden: torch.Tensor, k: int, next_token: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of head k (0-based): (*hidden.shape[:-1], vocab or draft_vocab); `next_token`
         (hidden.shape[:-1]) is the base model's token at each position, for next_token heads."""
-        return self._project(self._head_input(hidden, k, next_token), k)
+        return self._project(self._head_input(hidden, k, self._token_features(next_token)), k)
 
     def forward(self, hidden: torch.Tensor, num_heads: int | None = None,
                 next_token: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of the first num_heads heads (default all): (K, *hidden.shape[:-1], vocab or draft_vocab)."""
         count = self.config.num_heads if num_heads is None else num_heads
+        features = self._token_features(next_token)  # once for all heads
+        states = [self._head_input(hidden, k, features) for k in range(count)]
         if self.projections is None:  # one vocabulary matmul for all heads
-            return self._project(torch.stack([self._head_input(hidden, k, next_token) for k in range(count)]))
-        return torch.stack([self.head_logits(hidden, k, next_token) for k in range(count)])
+            return self._project(torch.stack(states))
+        return torch.stack([self._project(x, k) for k, x in enumerate(states)])
 
     def propose(self, hidden: torch.Tensor, topk: int, num_heads: int | None = None,
                 next_token: torch.Tensor | None = None) -> torch.Tensor:
@@ -121,13 +123,19 @@ class MedusaHeads(nn.Module):
         lookup[self.token_map.to(token_ids.device)] = torch.arange(len(self.token_map), device=token_ids.device)
         return lookup[token_ids]
 
-    def _head_input(self, hidden: torch.Tensor, k: int, next_token: torch.Tensor | None) -> torch.Tensor:
+    def _token_features(self, next_token: torch.Tensor | None) -> torch.Tensor | None:
+        """The RMS-normalised lm_head rows of the next tokens, for next_token heads (else None)."""
+        if self.token_inputs is None:
+            return None
+        if next_token is None:
+            raise ValueError("these heads read the base model's next token: pass next_token")
+        rows = self.base_lm_head.weight[next_token.to(self.base_lm_head.weight.device)].to(self._dtype)
+        return nn.functional.rms_norm(rows, rows.shape[-1:])
+
+    def _head_input(self, hidden: torch.Tensor, k: int, features: torch.Tensor | None) -> torch.Tensor:
         x = hidden.to(self._dtype)
-        if self.token_inputs is not None:
-            if next_token is None:
-                raise ValueError("these heads read the base model's next token: pass next_token")
-            rows = self.base_lm_head.weight[next_token.to(self.base_lm_head.weight.device)].to(self._dtype)
-            x = x + self.token_inputs[k](nn.functional.rms_norm(rows, rows.shape[-1:]))
+        if features is not None:
+            x = x + self.token_inputs[k](features)
         return self.blocks[k](x)
 
     def _project(self, states: torch.Tensor, k: int | None = None) -> torch.Tensor:
