@@ -82,6 +82,13 @@ def typical_accept(probs: torch.Tensor, tokens: torch.Tensor, epsilon: float, de
     return probs.gather(-1, tokens[..., None])[..., 0] > threshold
 
 
+def repeats_a_sibling(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """(B, n): True where an earlier node with the same parent holds the same token."""
+    index = torch.arange(parents.shape[0], device=parents.device)
+    earlier_sibling = (parents[:, None] == parents[None, :]) & (index[None, :] < index[:, None]) & (index[None, :] > 0)
+    return ((tokens[:, :, None] == tokens[:, None, :]) & earlier_sibling).any(-1)
+
+
 def longest_path(accept: torch.Tensor, retrieve: torch.Tensor, score: torch.Tensor | None = None):
     """The longest accepted prefix over all root-to-leaf paths.
 
@@ -120,6 +127,8 @@ def accept(
     else:
         target = choose(logits, sampling, generator)  # (B, n): argmax or one sample per node
         passed = tokens == target[:, parents]
+        if sampling.acceptance == "exact":
+            passed &= ~repeats_a_sibling(tokens, parents)
     path, count = longest_path(passed, retrieve, score)
     rows = torch.arange(tokens.shape[0], device=tokens.device)
     last = path[rows, count]

@@ -1,7 +1,8 @@
 """Medusa decoding: prefill, then one tree-verification pass per step, for a batch of prompts.
 
 Per step and row: the heads read the hidden state of the last accepted token and propose top-k
-tokens; the tree picks candidates from them; the base model verifies all tree tokens in one pass
+tokens; the tree picks candidates from them (and, with a lookup branch, adds the tokens that followed
+the text's last n-gram where it occurred before); the base model verifies all tree tokens in one pass
 (a 4D mask lets each see the prompt and its ancestors; position = length + depth); acceptance keeps
 the longest agreeing path plus a bonus token; the cache keeps the accepted rows.
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import adapter, speed
+from . import adapter, lookup, speed
 from .acceptance import Sampling, accept, choose
 from .cache import TreeCache
 from .tree import Tree
@@ -169,26 +170,30 @@ class Decoder:
 
     @torch.inference_mode()
     def _decode(self) -> None:
-        batch, n = self.root.shape[0], self.tree.size
+        batch = self.root.shape[0]
         tokens = self.root[:, None]
-        if n > 1:
+        if self.tree.head_size > 1:
             top = self.model.heads.propose(self.hidden, self.tree.topk, self.tree.depth, self.root)  # (D, B, topk)
-            candidates = top.permute(1, 0, 2).reshape(batch, -1)[:, self.cand_index]  # (B, n-1)
-            tokens = torch.cat([tokens, candidates], dim=1)  # (B, n)
+            candidates = top.permute(1, 0, 2).reshape(batch, -1)[:, self.cand_index]  # (B, head_size-1)
+            tokens = torch.cat([tokens, candidates], dim=1)
+        if self.tree.lookup:
+            tokens = torch.cat([tokens, self._lookup_drafts()], dim=1)
+        n = tokens.shape[1]  # this step's tree: the first n nodes (the lookup branch may be cut short)
+        parents, retrieve = self.parents[:n], self.retrieve.masked_fill(self.retrieve >= n, -1)
         lengths = self.cache.lengths
-        positions = lengths[:, None] + self.depths  # (B, n)
+        positions = lengths[:, None] + self.depths[:n]  # (B, n)
         slots = torch.arange(int(lengths.max()) + n, device=self.device)
         rel = slots[None, :] - lengths[:, None]  # (B, S): slot offset from each row's tree start
         in_tree = (rel >= 0) & (rel < n)
-        tree_part = self.tree_mask[:, rel.clamp(0, n - 1)].permute(1, 0, 2) & in_tree[:, None]  # (B, n, S)
+        tree_part = self.tree_mask[:n, rel.clamp(0, n - 1)].permute(1, 0, 2) & in_tree[:, None]  # (B, n, S)
         allowed = (rel < 0)[:, None, :] | tree_part
         hidden = self._forward(self.cache, tokens, positions, allowed[:, None], visible=slots.numel(), compiled=True)
         logits = adapter.logits(self.model.base_model, hidden)  # (B, n, V)
-        path = torch.empty(batch, self.retrieve.shape[1], dtype=torch.long, device=self.device)
+        path = torch.empty(batch, retrieve.shape[1], dtype=torch.long, device=self.device)
         count = torch.empty(batch, dtype=torch.long, device=self.device)
         next_token = torch.empty(batch, dtype=torch.long, device=self.device)
         for rows_, row in self._groups(self.active):  # rows sharing settings are accepted together
-            result = accept(tokens[rows_], logits[rows_], self.parents, self.retrieve, row.sampling, row.generator)
+            result = accept(tokens[rows_], logits[rows_], parents, retrieve, row.sampling, row.generator)
             path[rows_], count[rows_], next_token[rows_] = result.path, result.count, result.next_token
         path = path.clamp(min=0)  # (B, depth+1)
         self.cache.commit(count + 1, path if n > 1 else None)
@@ -197,6 +202,17 @@ class Decoder:
         emitted = torch.cat([tokens.gather(1, path[:, 1:]), next_token[:, None]], dim=1)  # (B, depth+1)
         emitted[rows, count] = next_token  # the bonus goes right after the accepted candidates
         self._emit(emitted, count + 1, positions=range(batch))
+
+    def _lookup_drafts(self) -> torch.Tensor:
+        """Each active row's prompt-lookup draft (B, longest draft), shorter ones padded with their
+        last token (a pad that happens to be right is still verified, so it is still right)."""
+        drafts = []
+        for row_id in self.active:
+            row = self.rows[row_id]
+            drafts.append(lookup.continuation(row.prompt + row.tokens, self.tree.lookup))
+        width = max(map(len, drafts))
+        padded = [d + [(d or self.rows[i].tokens)[-1]] * (width - len(d)) for d, i in zip(drafts, self.active, strict=True)]
+        return torch.tensor(padded, dtype=torch.long, device=self.device).reshape(len(drafts), width)
 
     def _forward(self, cache: TreeCache, ids, positions, allowed, visible: int, rows=None,
                  compiled: bool = False) -> torch.Tensor:

@@ -3,6 +3,10 @@
 A path lists, per depth, the rank of the candidate taken from that depth's head: `[0, 1]` is rank 0
 of head 1 then rank 1 of head 2. Node 0 is the root (the base model's own next token); the other
 nodes are sorted by depth so that every parent comes before its children.
+
+A tree may also carry a prompt-lookup branch (`lookup` > 0): a chain of up to that many tokens
+below the root, drafted by `lookup.continuation` instead of the heads. Its nodes come after the
+head nodes, so a step without a lookup match verifies only the head part: every buffer's prefix.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ PRESET_DIR = Path(__file__).parent / "trees"
 class Tree:
     """A tree of candidate paths with its precomputed verification buffers (all on CPU)."""
 
-    def __init__(self, paths: list[list[int]] | list[tuple[int, ...]], name: str = "custom"):
-        self.name = name
+    def __init__(self, paths: list[list[int]] | list[tuple[int, ...]], name: str = "custom", lookup: int = 0):
+        if not isinstance(lookup, int) or lookup < 0:
+            raise ValueError(f"lookup must be a number of tokens >= 0, got {lookup!r}")
+        self.name, self.lookup = name, lookup
         nodes: set[tuple[int, ...]] = set()
         for path in paths:
             path = tuple(path)
@@ -29,14 +35,16 @@ class Tree:
             nodes.update(path[:i] for i in range(1, len(path) + 1))  # every prefix is a node too
         self.paths: list[tuple[int, ...]] = sorted(nodes, key=lambda p: (len(p), p))
         index = {p: i + 1 for i, p in enumerate(self.paths)}
-        parents = [0] + [index.get(p[:-1], 0) for p in self.paths]
+        self.head_size = 1 + len(self.paths)  # root and head nodes
+        chain = range(self.head_size, self.head_size + lookup)  # the lookup branch's nodes
+        parents = [0] + [index.get(p[:-1], 0) for p in self.paths] + [i - 1 if i > self.head_size else 0 for i in chain]
 
         n = len(parents)
-        self.size = n  # tokens verified per step, root included
-        self.depths = torch.tensor([0] + [len(p) for p in self.paths])  # (n,)
-        self.ranks = torch.tensor([p[-1] for p in self.paths], dtype=torch.long)  # (n-1,)
+        self.size = n  # most tokens verified per step, root included
+        self.depths = torch.tensor([0] + [len(p) for p in self.paths] + list(range(1, lookup + 1)))  # (n,)
+        self.ranks = torch.tensor([p[-1] for p in self.paths], dtype=torch.long)  # (head_size-1,)
         self.parents = torch.tensor(parents)  # (n,), the root is its own parent
-        self.depth = int(self.depths.max())
+        self.depth = max((len(p) for p in self.paths), default=0)  # heads the tree needs
         self.topk = int(self.ranks.max()) + 1 if self.paths else 1
 
         mask = torch.eye(n, dtype=torch.bool)  # (n, n): row i sees its ancestors and itself
@@ -45,17 +53,17 @@ class Tree:
         self.mask = mask
 
         leaves = sorted(set(range(n)) - set(parents[1:])) if n > 1 else [0]
-        retrieve = torch.full((len(leaves), self.depth + 1), -1, dtype=torch.long)
+        retrieve = torch.full((len(leaves), int(self.depths.max()) + 1), -1, dtype=torch.long)
         for row, leaf in enumerate(leaves):
             chain = [leaf]
             while chain[-1] != 0:
                 chain.append(parents[chain[-1]])
             retrieve[row, : len(chain)] = torch.tensor(chain[::-1])
-        self.retrieve = retrieve  # (P, depth + 1): root-to-leaf node indices, -1 padded
+        self.retrieve = retrieve  # (P, max depth + 1): root-to-leaf node indices, -1 padded
 
     def candidate_index(self, topk: int) -> torch.Tensor:
-        """Index of each non-root node into the heads' flattened (K * topk) candidates: (n-1,)."""
-        return (self.depths[1:] - 1) * topk + self.ranks
+        """Index of each head node into the heads' flattened (K * topk) candidates: (head_size-1,)."""
+        return (self.depths[1 : self.head_size] - 1) * topk + self.ranks
 
     def check(self, num_heads: int, topk_limit: int) -> None:
         """Raise when the tree needs more heads than the model has, or ranks beyond what top-k offers."""
@@ -68,13 +76,18 @@ class Tree:
             raise ValueError(f"tree {self.name!r} asks for rank {self.topk - 1}, beyond the top-{topk_limit} available")
 
     def to_json(self) -> dict:
-        return {"name": self.name, "paths": [list(p) for p in self.paths]}
+        return {"name": self.name, "paths": [list(p) for p in self.paths], **({"lookup": self.lookup} if self.lookup else {})}
 
     def save(self, path: str | Path, **extra) -> None:
         Path(path).write_text(json.dumps({**self.to_json(), **extra}, indent=1) + "\n")
 
     def __repr__(self) -> str:
-        return f"Tree({self.name!r}, size={self.size}, depth={self.depth}, topk={self.topk})"
+        return f"Tree({self.name!r}, size={self.size}, depth={self.depth}, topk={self.topk}, lookup={self.lookup})"
+
+    def with_lookup(self, tokens: int) -> Tree:
+        """The same head paths with a prompt-lookup branch of up to `tokens` tokens."""
+        name = self.name.split("+lookup")[0] + (f"+lookup{tokens}" if tokens else "")
+        return Tree([list(p) for p in self.paths], name=name, lookup=tokens)
 
     @classmethod
     def chain(cls, depth: int) -> Tree:
@@ -95,12 +108,15 @@ class Tree:
 
         Presets: 'plain' (no candidates), 'chain-D', 'dense-WxD', and the JSON files shipped in
         medusa_heads/trees ('reference' is the original 63-node tree, 'default' the calibrated one).
+        'SPEC+lookupL' adds (or replaces) a prompt-lookup branch of L tokens; 'SPEC+lookup0' drops it.
         """
         if isinstance(spec, Tree):
             return spec
         if isinstance(spec, list):
             return cls(spec)
         text = str(spec)
+        if m := re.fullmatch(r"(.+)\+lookup(\d+)", text):
+            return cls.load(m[1]).with_lookup(int(m[2]))
         if text == "plain":
             return cls.chain(0)
         if m := re.fullmatch(r"chain-(\d+)", text):
@@ -116,5 +132,6 @@ class Tree:
                 f"unknown tree {text!r}: give a JSON file, 'plain', 'chain-D', 'dense-WxD' or one of {names}"
             )
         data = json.loads(file.read_text())
-        paths = data["paths"] if isinstance(data, dict) else data
-        return cls(paths, name=data.get("name", file.stem) if isinstance(data, dict) else file.stem)
+        if isinstance(data, list):
+            return cls(data, name=file.stem)
+        return cls(data["paths"], name=data.get("name", file.stem), lookup=data.get("lookup", 0))
