@@ -48,7 +48,8 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.7, help="for typical / exact (default: 0.7)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--tree", help="tree preset (default, reference, chain-D, dense-WxD, plain) or JSON file")
+    parser.add_argument("--tree", help="tree preset (default, reference, chain-D, dense-WxD, plain) or JSON file; "
+                        "append +lookupL for a prompt-lookup branch of L tokens (+lookup0 drops it)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--seed", type=int, default=None)
 

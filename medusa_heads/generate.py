@@ -206,12 +206,10 @@ class Decoder:
     def _lookup_drafts(self) -> torch.Tensor:
         """Each active row's prompt-lookup draft (B, longest draft), shorter ones padded with their
         last token (a pad that happens to be right is still verified, so it is still right)."""
-        drafts = []
-        for row_id in self.active:
-            row = self.rows[row_id]
-            drafts.append(lookup.continuation(row.prompt + row.tokens, self.tree.lookup))
+        contexts = [self.rows[i].prompt + self.rows[i].tokens for i in self.active]
+        drafts = [lookup.continuation(context, self.tree.lookup) for context in contexts]
         width = max(map(len, drafts))
-        padded = [d + [(d or self.rows[i].tokens)[-1]] * (width - len(d)) for d, i in zip(drafts, self.active, strict=True)]
+        padded = [d + [context[-1]] * (width - len(d)) for d, context in zip(drafts, contexts, strict=True)]
         return torch.tensor(padded, dtype=torch.long, device=self.device).reshape(len(drafts), width)
 
     def _forward(self, cache: TreeCache, ids, positions, allowed, visible: int, rows=None,

@@ -45,6 +45,7 @@ class Tree:
         self.ranks = torch.tensor([p[-1] for p in self.paths], dtype=torch.long)  # (head_size-1,)
         self.parents = torch.tensor(parents)  # (n,), the root is its own parent
         self.depth = max((len(p) for p in self.paths), default=0)  # heads the tree needs
+        self.reach = max(self.depth, lookup)  # tokens sit up to this far past the last accepted one
         self.topk = int(self.ranks.max()) + 1 if self.paths else 1
 
         mask = torch.eye(n, dtype=torch.bool)  # (n, n): row i sees its ancestors and itself
@@ -53,13 +54,13 @@ class Tree:
         self.mask = mask
 
         leaves = sorted(set(range(n)) - set(parents[1:])) if n > 1 else [0]
-        retrieve = torch.full((len(leaves), int(self.depths.max()) + 1), -1, dtype=torch.long)
+        retrieve = torch.full((len(leaves), self.reach + 1), -1, dtype=torch.long)
         for row, leaf in enumerate(leaves):
             chain = [leaf]
             while chain[-1] != 0:
                 chain.append(parents[chain[-1]])
             retrieve[row, : len(chain)] = torch.tensor(chain[::-1])
-        self.retrieve = retrieve  # (P, max depth + 1): root-to-leaf node indices, -1 padded
+        self.retrieve = retrieve  # (P, reach + 1): root-to-leaf node indices, -1 padded
 
     def candidate_index(self, topk: int) -> torch.Tensor:
         """Index of each head node into the heads' flattened (K * topk) candidates: (head_size-1,)."""
@@ -76,7 +77,8 @@ class Tree:
             raise ValueError(f"tree {self.name!r} asks for rank {self.topk - 1}, beyond the top-{topk_limit} available")
 
     def to_json(self) -> dict:
-        return {"name": self.name, "paths": [list(p) for p in self.paths], **({"lookup": self.lookup} if self.lookup else {})}
+        lookup = {"lookup": self.lookup} if self.lookup else {}
+        return {"name": self.name, "paths": [list(p) for p in self.paths], **lookup}
 
     def save(self, path: str | Path, **extra) -> None:
         Path(path).write_text(json.dumps({**self.to_json(), **extra}, indent=1) + "\n")

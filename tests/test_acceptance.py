@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from medusa_heads import Sampling, Tree
-from medusa_heads.acceptance import accept, longest_path, sampling_probs, typical_accept
+from medusa_heads.acceptance import accept, longest_path, repeats_a_sibling, sampling_probs, typical_accept
 
 TREE = Tree([[0], [1], [0, 0], [0, 1], [1, 0]])  # nodes: root, a=(0), b=(1), aa, ab, ba
 
@@ -59,6 +59,17 @@ def test_exact_follows_the_samples():
     logits = one_hot_logits([3, 6, 0, 0, 0, 0]) * 10  # samples are certain: root -> 3 = a, a -> 6 = aa
     result = accept(tokens, logits, TREE.parents, TREE.retrieve, Sampling("exact", temperature=1.0))
     assert result.path.tolist() == [[0, 1, 3]] and result.count.tolist() == [2]
+
+
+def test_exact_tests_only_the_first_of_equal_siblings():
+    tree = Tree([[0], [1]], lookup=2)  # root, a, b, then the lookup chain l1 -> l2
+    tokens = torch.tensor([[5, 3, 4, 3, 6]])  # l1 repeats a
+    assert repeats_a_sibling(tokens, tree.parents).tolist() == [[False, False, False, True, False]]
+    logits = one_hot_logits([3, 7, 0, 6, 0]) * 10  # samples: root -> 3, a -> 7, l1 -> 6
+    exact = accept(tokens, logits, tree.parents, tree.retrieve, Sampling("exact", temperature=1.0))
+    assert exact.path[0, : exact.count + 1].tolist() == [0, 1] and exact.next_token.tolist() == [7]
+    greedy = accept(tokens, logits, tree.parents, tree.retrieve, Sampling("greedy"))
+    assert greedy.path.tolist() == [[0, 3, 4]] and greedy.next_token.tolist() == [0]  # greedy takes either
 
 
 def test_top_p_keeps_the_smallest_nucleus():

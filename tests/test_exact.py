@@ -10,14 +10,15 @@ from medusa_heads.acceptance import sampling_probs
 
 SAMPLES = 20_000
 PROMPT = [3, 4, 5, 6]
+REPEATING = [3, 4, 5, 6, 2, 7, 3, 0, 10, 6, 2, 7]  # greedy goes on 3 0 10: what the lookup branch drafts
 
 
-def exact_joint(base, temperature: float, top_p: float) -> np.ndarray:
+def exact_joint(base, temperature: float, top_p: float, prompt: list[int] = PROMPT) -> np.ndarray:
     """p(t1, t2, t3) of plain sampling, computed from the model over every prefix: (V, V, V)."""
     joint = torch.ones(())
     prefixes = [[]]
     for _ in range(3):
-        ids = torch.tensor([PROMPT + p for p in prefixes])
+        ids = torch.tensor([prompt + p for p in prefixes])
         with torch.no_grad():
             logits = base(ids).logits[:, -1]
         probs = sampling_probs(logits, temperature, top_p).double()  # (prefixes, V)
@@ -26,9 +27,10 @@ def exact_joint(base, temperature: float, top_p: float) -> np.ndarray:
     return joint.reshape(VOCAB, VOCAB, VOCAB).numpy()
 
 
-def sampled_counts(model, acceptance: str, temperature: float, top_p: float):
-    ids = torch.tensor([PROMPT]).repeat(SAMPLES, 1)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, tree="dense-3x2",
+def sampled_counts(model, acceptance: str, temperature: float, top_p: float, prompt: list[int] = PROMPT,
+                   tree: str = "dense-3x2"):
+    ids = torch.tensor([prompt]).repeat(SAMPLES, 1)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, tree=tree,
                          acceptance=acceptance, temperature=temperature, top_p=top_p, eos_token_id=[], seed=1234)
     counts = np.zeros((VOCAB,) * 3)
     for t1, t2, t3 in out.new_tokens:
@@ -65,6 +67,14 @@ def test_exact_matches_the_base_distribution(model, temperature, top_p):
     counts, from_tree = sampled_counts(model, "exact", temperature, top_p)
     assert from_tree > 0.1  # thousands of rows took token 2 (and maybe 3) from the tree
     assert chi_square_p(counts, exact_joint(model.base_model, temperature, top_p)) > 1e-3
+
+
+def test_exact_with_a_lookup_branch_matches_the_base_distribution(model):
+    """The lookup draft always repeats one of the heads' guesses (they cover the vocabulary): exact
+    acceptance must not count that token twice (a second sample there would favour the draft)."""
+    # a low temperature makes the drafted path likely, so a bias towards it would show (p ~ 1e-29)
+    counts, _ = sampled_counts(model, "exact", 0.1, 1.0, REPEATING, f"dense-{VOCAB}x1+lookup2")
+    assert chi_square_p(counts, exact_joint(model.base_model, 0.1, 1.0, REPEATING)) > 1e-3
 
 
 def test_a_lossy_sampler_fails_the_same_test(model):

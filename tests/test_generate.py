@@ -10,7 +10,7 @@ from tiny import tiny_tokenizer
 from medusa_heads import Tree
 from medusa_heads import generate as generate_module
 
-TREES = ["plain", "chain-4", "dense-2x3", "reference", "default"]
+TREES = ["plain", "chain-4", "dense-2x3", "reference", "default", "default+lookup5"]
 
 
 def random_tree(rng: random.Random, depth: int = 4, max_rank: int = 5) -> Tree:
@@ -35,6 +35,8 @@ def test_trees_are_exercised():
     model = medusa_tiny("llama")
     out = model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=40, tree="reference", eos_token_id=[])
     assert max(out.accept_lengths[0]) >= 3 and out.mean_accepted_length > 1.3
+    lookup = model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=40, tree="plain+lookup6", eos_token_id=[])
+    assert max(lookup.accept_lengths[0]) >= 4 and lookup.new_tokens == out.new_tokens
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
@@ -87,6 +89,7 @@ def test_max_new_tokens_inside_an_accepted_path(arch):
 @pytest.mark.parametrize("padding", ["left", "right"])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "gpt2"])
 def test_batch_rows_equal_their_solo_runs(arch, padding):
+    """Rows of a batch (with drafts of different lengths from the lookup branch) decode as alone."""
     model = medusa_tiny(arch)
     prompts = [[3, 4, 5, 6, 7, 8, 9], [10], [11, 12, 3], [5, 5, 5, 5]]
     width = max(map(len, prompts))
@@ -95,13 +98,14 @@ def test_batch_rows_equal_their_solo_runs(arch, padding):
     for i, p in enumerate(prompts):
         span = slice(width - len(p), width) if padding == "left" else slice(0, len(p))
         ids[i, span], mask[i, span] = torch.tensor(p), 1
-    solo = [model.generate(torch.tensor([p]), max_new_tokens=30, tree="reference", eos_token_id=[]) for p in prompts]
+    tree = "reference+lookup4"
+    solo = [model.generate(torch.tensor([p]), max_new_tokens=30, tree=tree, eos_token_id=[]) for p in prompts]
     # an end-of-sequence token that makes the rows end at different steps
     ends = [{o.new_tokens[0].index(t) if t in o.new_tokens[0] else 30 for o in solo} for t in range(16)]
     eos = next(t for t in range(16) if len(ends[t]) > 1)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=30, tree="reference", eos_token_id=eos)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=30, tree=tree, eos_token_id=eos)
     for i, p in enumerate(prompts):
-        solo = model.generate(torch.tensor([p]), max_new_tokens=30, tree="reference", eos_token_id=eos)
+        solo = model.generate(torch.tensor([p]), max_new_tokens=30, tree=tree, eos_token_id=eos)
         assert out.new_tokens[i] == solo.new_tokens[0]
         assert out.sequences[i, : len(p) + len(solo.new_tokens[0])].tolist() == solo.sequences[0].tolist()
     assert len({len(t) for t in out.new_tokens}) > 1
@@ -183,7 +187,7 @@ def test_compiled_decoding_equals_eager():
     prompts = [[3, 4, 5, 6, 7, 8, 9], [10], [11, 12, 3]]
     ids, mask = generate_module.pad_batch(prompts)
     eager = {tree: model.generate(ids, attention_mask=mask, max_new_tokens=20, tree=tree, eos_token_id=[])
-             for tree in ["plain", "reference"]}
+             for tree in ["plain", "reference", "default+lookup4"]}
     model.compile_decoding()
     for tree, expected in eager.items():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=20, tree=tree, eos_token_id=[])

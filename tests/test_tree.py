@@ -34,6 +34,29 @@ def test_missing_prefixes_are_added_and_duplicates_merged():
     assert tree.retrieve.tolist() == [[0, 1, -1], [0, 2, 3]]
 
 
+def test_a_lookup_branch_is_a_chain_after_the_head_nodes():
+    tree = Tree([[0], [1], [0, 0]], lookup=3)
+    assert tree.head_size == 4 and tree.size == 7 and tree.depth == 2 and tree.lookup == 3
+    assert tree.parents.tolist() == [0, 0, 0, 1, 0, 4, 5]
+    assert tree.depths.tolist() == [0, 1, 1, 2, 1, 2, 3]
+    assert tree.candidate_index(topk=2).tolist() == [0, 1, 2]  # head nodes only
+    assert tree.retrieve.tolist() == [[0, 2, -1, -1], [0, 1, 3, -1], [0, 4, 5, 6]]
+    assert tree.mask[6].tolist() == [True, False, False, False, True, True, True]
+    plain = Tree.load("plain+lookup2")
+    assert plain.head_size == 1 and plain.depth == 0 and plain.retrieve.tolist() == [[0, 1, 2]]
+
+
+def test_lookup_presets_and_round_trip(tmp_path):
+    tree = Tree.load("reference+lookup5")
+    assert tree.lookup == 5 and tree.paths == Tree.load("reference").paths and tree.name == "reference+lookup5"
+    assert Tree.load("reference+lookup5+lookup0").lookup == 0
+    tree.save(tmp_path / "t.json")
+    again = Tree.load(tmp_path / "t.json")
+    assert again.lookup == 5 and again.paths == tree.paths and again.size == 64 + 5
+    with pytest.raises(ValueError, match="lookup must be a number of tokens >= 0"):
+        Tree([[0]], lookup=-1)
+
+
 def test_reference_tree_matches_the_paper():
     tree = Tree.load("reference")
     assert tree.size == 64 and tree.depth == 4

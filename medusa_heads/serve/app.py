@@ -49,8 +49,8 @@ def create_app(model, max_concurrency: int = 4, max_queue: int = 64, max_new_tok
     model.require_tokenizer()
     model_id = Path(model.base_name).name or "medusa"
     engine = Engine(model, max_concurrency, max_queue, tree)
-    # tree tokens sit up to `depth` positions past the last accepted one
-    context = int(getattr(model.config, "max_position_embeddings", 0) or 4096) - engine.tree.depth
+    # tree tokens sit up to `reach` positions past the last accepted one
+    context = int(getattr(model.config, "max_position_embeddings", 0) or 4096) - engine.tree.reach
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
