@@ -20,7 +20,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from .accuracy import accuracy_table, head_hits
+from .accuracy import accuracy_table, head_ranks, rank_hits
 from .generate import generate
 
 PLD_TOKENS = 10  # prompt_lookup_num_tokens for hf-pld, transformers' documented default
@@ -151,7 +151,7 @@ def summarize(records: list[dict], reference: str = REFERENCE) -> dict:
                   for r in records
                   if r["method"] != reference and (r["question_id"], r["turn"]) in outputs
                   and r["tokens"] != outputs[(r["question_id"], r["turn"])]]
-    return {"methods": dict(summary), "mismatches": mismatches}
+    return {"methods": dict(summary), "mismatches": mismatches, "reference": reference}
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
@@ -182,19 +182,19 @@ def report_markdown(result: dict) -> str:
     summary, settings, env = result["summary"], result["settings"], result["environment"]
     methods = list(summary["methods"])
     categories = sorted({c for m in summary["methods"].values() for c in m} - {"overall"})
-    machine = env["processor"] or env["machine"]
+    machine, reference = env["processor"] or env["machine"], summary["reference"]
     lines = [f"# Benchmark: {env['model']}", "",
              f"{settings['questions']} questions, {settings['max_new_tokens']} new tokens max, greedy, batch 1, "
              f"median of {settings['repeats']}; {env['device']} ({env['cpus']} threads, {machine}), "
              f"torch {env['torch']}, transformers {env['transformers']}.", "",
-             "| method | tok/s | speed-up vs hf | mean accepted length | new tokens |",
+             f"| method | tok/s | speed-up vs {reference} | mean accepted length | new tokens |",
              "| --- | ---: | ---: | ---: | ---: |"]
     for m in methods:
         s = summary["methods"][m]["overall"]
         speedup = f"{s['speedup']:.2f}x" if s["speedup"] else "-"
         lines.append(f"| {m} | {s['tokens_per_second']:.1f} | {speedup} | {s['mean_accepted_length']:.2f} | "
                      f"{s['new_tokens']} |")
-    lines += ["", "Speed-up vs hf per category:", "", "| method | " + " | ".join(categories) + " |",
+    lines += ["", f"Speed-up vs {reference} per category:", "", "| method | " + " | ".join(categories) + " |",
               "| --- |" + " ---: |" * len(categories)]
     for m in methods:
         cells = [summary["methods"][m].get(c, {}).get("speedup") for c in categories]
@@ -203,7 +203,7 @@ def report_markdown(result: dict) -> str:
         lines += ["", "Head accuracy on the answers (top-1 / top-5):", ""]
         lines += [f"- head {k + 1}: {row[0]:.3f} / {row[min(4, len(row) - 1)]:.3f}" for k, row in enumerate(accuracy)]
     mismatches = summary["mismatches"]
-    lines += ["", f"Greedy outputs identical to hf: {'yes, all' if not mismatches else 'NO'}"]
+    lines += ["", f"Greedy outputs identical to {reference}: {'yes, all' if not mismatches else 'NO'}"]
     lines += [f"- {x['method']} differs on question {x['question_id']} turn {x['turn']} from token "
               f"{x['first_difference']}" for x in mismatches]
     return "\n".join(lines) + "\n"
@@ -224,7 +224,7 @@ def plot(result: dict, out: Path) -> None:
         ax.bar([x + i * width for x in range(len(categories))], values, width, label=method)
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xticks([x + width * (len(summary) - 1) / 2 for x in range(len(categories))], categories, rotation=30)
-    ax.set_ylabel("speed-up vs hf")
+    ax.set_ylabel(f"speed-up vs {result['summary']['reference']}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "speedup.png", dpi=120)
@@ -271,8 +271,8 @@ def bench(model, questions_file: str | Path, methods: list[str | Method], out: s
     for r in (r for r in result["records"] if r["method"] == reference and r["turn"] == 0):
         question = next(q for q in questions if q["question_id"] == r["question_id"])
         prompt = model.chat_ids(question["turns"][0])[0]
-        h, c = head_hits(model, torch.cat([prompt, torch.tensor(r["tokens"], device=prompt.device)]),
-                         start=prompt.numel())
+        answer = torch.cat([prompt, torch.tensor(r["tokens"], device=prompt.device)])
+        h, c = rank_hits(head_ranks(model, answer, start=prompt.numel()))
         hits, counts = hits + h, counts + c
     result["head_accuracy"] = accuracy_table(hits, counts) if torch.is_tensor(counts) else None
     write_report(result, out)

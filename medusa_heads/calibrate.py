@@ -2,25 +2,85 @@
 pick the tree that maximises expected accepted length per unit of time.
 
 - accuracies: per head k and rank r, how often the head's rank-r guess is the token it aims at,
-  on the model's own greedy answers (`accuracy.head_hits`).
+  on the model's own greedy answers (`accuracy.head_ranks`).
 - cost curve: c(n) = time of one decoding step that verifies n tree tokens (heads and acceptance
   included) / time of one plain decoding step, on this device.
 - trees: the value of a node is the product, over its path, of the accuracy of head d at rank r
   (the chance that the whole path is right); the best tree of n nodes adds, one at a time, the most
   valuable node whose parent is already in (greedy frontier search). Its expected accepted length
   is 1 (the bonus token) + the sum of its node values.
+- replay: greedy decoding of the same answers is then replayed step by step for each of those
+  trees, with and without a prompt-lookup branch of L tokens. This is exact, not an estimate (at
+  each step it knows where the heads ranked their targets and what the lookup drafts), and the
+  cost of each step is c at the number of tokens it verifies. The tree and L with the highest
+  replayed speed-up are chosen.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from .accuracy import accuracy_table, head_hits
+from . import lookup
+from .accuracy import accuracy_table, head_ranks, rank_hits
 from .generate import make_decoder
 from .tree import Tree
+
+LOOKUPS = (0, 2, 4, 6, 8, 12)  # prompt-lookup branch lengths tried
+
+
+@dataclass
+class Steps:
+    """What greedy decoding of one known answer meets at each step i (whose root is answer token i)."""
+
+    ranks: list[tuple[int, ...]]  # where each head ranked its target (`accuracy.head_ranks`)
+    drafts: list[tuple[int, int]]  # the prompt-lookup draft (of max(LOOKUPS) tokens): (tokens, right ones)
+
+
+def record_steps(model, sequence: torch.Tensor, start: int, max_rank: int) -> tuple[Steps, torch.Tensor]:
+    """The replay record of an answer (prompt + answer tokens, the answer from `start` on), and its head ranks."""
+    ranks = head_ranks(model, sequence, start, max_rank)
+    tokens = sequence.tolist()
+    drafts = []
+    for i in range(len(tokens) - start):
+        draft = lookup.continuation(tokens[: start + i + 1], max(LOOKUPS))
+        rest = tokens[start + i + 1 :]
+        right = sum(1 for _ in itertools.takewhile(lambda pair: pair[0] == pair[1], zip(draft, rest, strict=False)))
+        drafts.append((len(draft), right))
+    return Steps([tuple(column) for column in ranks.T.tolist()], drafts), ranks
+
+
+def replay(steps: Steps, tree: Tree, cost: Callable[[int], float]) -> tuple[int, int, float]:
+    """Greedy decoding of a recorded answer with this tree: (tokens, steps with the prefill, summed
+    cost of the steps after it). A step accepts the longest tree path whose head ranks all hit, or
+    the right part of the lookup draft, whichever is longer, then the bonus token."""
+    paths, length = set(tree.paths), len(steps.drafts)
+    i, count, spent = 0, 1, 0.0  # the prefill emits answer token 0
+    while i + 1 < length:
+        ranks, (drafted, right) = steps.ranks[i], steps.drafts[i]
+        heads = 0
+        while heads < tree.depth and ranks[: heads + 1] in paths:
+            heads += 1
+        i += max(heads, min(right, tree.lookup)) + 1
+        count += 1
+        spent += cost(tree.head_size + min(drafted, tree.lookup))
+    return length, count, spent
+
+
+def interpolate(tokens: list[int], costs: list[float]) -> Callable[[int], float]:
+    """c at any number of tokens: piecewise linear through the measured points, extended past the last."""
+    slope = (costs[-1] - costs[-2]) / (tokens[-1] - tokens[-2]) if len(tokens) > 1 else 0.0
+
+    def cost(n: int) -> float:
+        return float(np.interp(n, tokens, costs)) + max(0, n - tokens[-1]) * slope
+
+    return cost
 
 
 def rank_accuracy(hits: torch.Tensor, counts: torch.Tensor) -> list[list[float]]:
@@ -50,15 +110,15 @@ def best_trees(accuracy: list[list[float]], max_nodes: int) -> list[tuple[Tree, 
 
 
 @torch.inference_mode()
-def measure_accuracy(model, prompts: list[torch.Tensor], max_new_tokens: int, max_rank: int = 10):
-    """Per-head hits (cumulative over ranks) and target counts on the model's greedy answers."""
-    hits = torch.zeros(model.heads.config.num_heads, max_rank, dtype=torch.long)
-    counts = torch.zeros(model.heads.config.num_heads, dtype=torch.long)
+def record_answers(model, prompts: list[torch.Tensor], max_new_tokens: int, max_rank: int = 10):
+    """The replay record of the model's greedy answer to each prompt, and all head ranks side by side."""
+    records, ranks = [], []
     for ids in prompts:
         out = model.generate(ids, max_new_tokens=max_new_tokens, tree="plain")
-        h, c = head_hits(model, out.sequences[0].to(model.device), start=ids.shape[1], max_rank=max_rank)
-        hits, counts = hits + h, counts + c
-    return hits, counts
+        steps, r = record_steps(model, out.sequences[0].to(model.device), start=ids.shape[1], max_rank=max_rank)
+        records.append(steps)
+        ranks.append(r)
+    return records, torch.cat(ranks, dim=1)
 
 
 def step_time(model, ids: torch.Tensor, tree: Tree, steps: int = 8) -> float:
@@ -90,8 +150,9 @@ def cost_curve(model, ids: torch.Tensor, trees: list[Tree], steps: int = 8, roun
 
 def calibrate(model, prompts: list[torch.Tensor], max_new_tokens: int = 128, max_nodes: int = 64,
               sizes: list[int] | None = None, max_rank: int = 10) -> dict:
-    """Measure, search, and pick: returns the table and the chosen tree."""
-    hits, counts = measure_accuracy(model, prompts, max_new_tokens, max_rank)
+    """Measure, search, replay and pick: returns the table and the chosen tree."""
+    records, ranks = record_answers(model, prompts, max_new_tokens, max_rank)
+    hits, counts = rank_hits(ranks, max_rank)
     accuracy = rank_accuracy(hits, counts)
     candidates = best_trees(accuracy, max_nodes)
     # n = 0 is plain decoding (c = 1): chosen when no tree pays for itself, e.g. with untrained heads
@@ -100,9 +161,19 @@ def calibrate(model, prompts: list[torch.Tensor], max_new_tokens: int = 128, max
     if not chosen_rows:
         raise ValueError(f"no tree size in {sizes} is possible with at most {len(candidates) - 1} nodes")
     costs = cost_curve(model, prompts[0], [tree for _, tree, _ in chosen_rows])
-    table = [{"nodes": n, "expected_accepted_length": expected, "cost": cost, "expected_speedup": expected / cost}
-             for (n, _, expected), cost in zip(chosen_rows, costs, strict=True)]
-    best = max(range(len(table)), key=lambda i: table[i]["expected_speedup"])
-    tree = chosen_rows[best][1]
-    tree.name = "calibrated"
+    measured = [(1, 1.0)] + [(n + 1, c) for (n, _, _), c in zip(chosen_rows, costs, strict=True) if n > 0]
+    cost = interpolate(*map(list, zip(*measured, strict=True)))
+    table, best = [], (0.0, None)
+    for (n, tree, expected), c in zip(chosen_rows, costs, strict=True):
+        replays = []
+        for lookup_tokens in LOOKUPS:
+            candidate = tree.with_lookup(lookup_tokens)
+            tokens, steps, spent = map(sum, zip(*(replay(r, candidate, cost) for r in records), strict=True))
+            speedup = (tokens - len(records)) / spent  # plain decoding spends c = 1 per token after the first
+            replays.append({"lookup": lookup_tokens, "accepted_length": tokens / steps, "speedup": speedup})
+            best = max(best, (speedup, candidate), key=lambda b: b[0])
+        table.append({"nodes": n, "expected_accepted_length": expected, "cost": c, "expected_speedup": expected / c,
+                      "replay": replays})
+    tree = best[1]
+    tree.name = "calibrated" + (f"+lookup{tree.lookup}" if tree.lookup else "")
     return {"tree": tree, "table": table, "accuracy_top_r": accuracy_table(hits, counts), "targets": counts.tolist()}

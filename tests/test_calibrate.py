@@ -11,7 +11,7 @@ from conftest import medusa_tiny
 from tiny import tiny_model, tiny_tokenizer
 
 from medusa_heads import Tree
-from medusa_heads.calibrate import best_trees, calibrate, rank_accuracy
+from medusa_heads.calibrate import LOOKUPS, best_trees, calibrate, interpolate, rank_accuracy, record_steps, replay
 
 
 def test_frontier_search_by_hand():
@@ -29,6 +29,23 @@ def test_rank_accuracy_from_cumulative_hits():
     assert torch.tensor(rank_accuracy(hits, counts)).flatten().tolist() == pytest.approx([0.3, 0.2, 0.1, 0.1, 0.0, 0.3])
 
 
+@pytest.mark.parametrize("tree", ["reference", "dense-3x2", "default+lookup4", "plain+lookup6", "reference+lookup3"])
+def test_replay_takes_the_steps_decoding_takes(tree):
+    model = medusa_tiny("llama")
+    prompt = torch.tensor([[3, 4, 5]])  # the tiny model soon repeats itself: the lookup branch drafts
+    out = model.generate(prompt, max_new_tokens=40, tree=tree, eos_token_id=[])
+    assert any(a > 1 for a in out.accept_lengths[0])
+    steps, _ = record_steps(model, out.sequences[0], start=prompt.shape[1], max_rank=10)
+    tokens, count, spent = replay(steps, Tree.load(tree), cost=lambda n: n)
+    assert (tokens, count) == (40, len(out.accept_lengths[0]))
+    assert spent >= (count - 1) * Tree.load(tree).head_size
+
+
+def test_cost_interpolation_extends_the_last_segment():
+    cost = interpolate([1, 3, 5], [1.0, 2.0, 2.5])
+    assert [cost(n) for n in (1, 2, 3, 4, 5, 7)] == [1.0, 1.5, 2.0, 2.25, 2.5, 3.0]
+
+
 @pytest.mark.parametrize("next_token", [False, True])
 def test_calibrate_on_a_tiny_model(next_token):
     model = medusa_tiny("llama", num_heads=3, next_token=next_token)
@@ -38,8 +55,11 @@ def test_calibrate_on_a_tiny_model(next_token):
     lengths = [row["expected_accepted_length"] for row in result["table"]]
     assert lengths == sorted(lengths) and lengths[0] >= 1.0
     assert all(row["cost"] > 0 for row in result["table"])
+    assert all([r["lookup"] for r in row["replay"]] == list(LOOKUPS) for row in result["table"])
     tree = result["tree"]
-    assert tree.depth <= 3 and tree.size - 1 in (1, 4, 12)
+    assert tree.depth <= 3 and tree.head_size - 1 in (1, 4, 12)
+    speedups = {(row["nodes"], r["lookup"]): r["speedup"] for row in result["table"] for r in row["replay"]}
+    assert speedups[tree.head_size - 1, tree.lookup] == max(speedups.values())
     out = model.generate(prompts[0], max_new_tokens=16, tree=tree)  # usable as is
     assert torch.equal(out.sequences, model.generate(prompts[0], max_new_tokens=16, tree="plain").sequences)
 
@@ -57,7 +77,7 @@ def test_calibrate_command(tmp_path):
                           "--max-nodes", "8", "--exclude", str(trained_on)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert "expected speed-up" in out.stdout and "tree written" in out.stdout
+    assert "replayed accepted length / speed-up" in out.stdout and "tree written" in out.stdout
     assert "greedy answers to 2 prompts" in out.stdout  # the training prompt is held out
     saved = json.loads((tmp_path / "tree.json").read_text())
     assert {"paths", "table", "accuracy_top_r"} <= set(saved)
