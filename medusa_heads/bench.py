@@ -194,11 +194,13 @@ def report_markdown(result: dict) -> str:
         speedup = f"{s['speedup']:.2f}x" if s["speedup"] else "-"
         lines.append(f"| {m} | {s['tokens_per_second']:.1f} | {speedup} | {s['mean_accepted_length']:.2f} | "
                      f"{s['new_tokens']} |")
-    lines += ["", f"Speed-up vs {reference} per category:", "", "| method | " + " | ".join(categories) + " |",
-              "| --- |" + " ---: |" * len(categories)]
-    for m in methods:
-        cells = [summary["methods"][m].get(c, {}).get("speedup") for c in categories]
-        lines.append(f"| {m} | " + " | ".join(f"{x:.2f}x" if x else "-" for x in cells) + " |")
+    for key, title, unit in (("speedup", f"Speed-up vs {reference}", "x"), ("mean_accepted_length",
+                                                                            "Mean accepted length", "")):
+        lines += ["", f"{title} per category:", "", "| method | " + " | ".join(categories) + " |",
+                  "| --- |" + " ---: |" * len(categories)]
+        for m in methods:
+            cells = [summary["methods"][m].get(c, {}).get(key) for c in categories]
+            lines.append(f"| {m} | " + " | ".join(f"{x:.2f}{unit}" if x else "-" for x in cells) + " |")
     if accuracy := result.get("head_accuracy"):
         lines += ["", "Head accuracy on the answers (top-1 / top-5):", ""]
         lines += [f"- head {k + 1}: {row[0]:.3f} / {row[min(4, len(row) - 1)]:.3f}" for k, row in enumerate(accuracy)]
