@@ -19,7 +19,6 @@ pick the tree that maximises expected accepted length per unit of time.
 from __future__ import annotations
 
 import heapq
-import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ import torch
 
 from . import lookup
 from .accuracy import accuracy_table, head_ranks, rank_hits
+from .bench import first_difference
 from .generate import make_decoder
 from .tree import Tree
 
@@ -50,8 +50,7 @@ def record_steps(model, sequence: torch.Tensor, start: int, max_rank: int) -> tu
     drafts = []
     for i in range(len(tokens) - start):
         draft = lookup.continuation(tokens[: start + i + 1], max(LOOKUPS))
-        rest = tokens[start + i + 1 :]
-        right = sum(1 for _ in itertools.takewhile(lambda pair: pair[0] == pair[1], zip(draft, rest, strict=False)))
+        right = first_difference(draft, tokens[start + i + 1 :])  # the drafted tokens decoding would accept
         drafts.append((len(draft), right))
     return Steps([tuple(column) for column in ranks.T.tolist()], drafts), ranks
 
@@ -163,7 +162,7 @@ def calibrate(model, prompts: list[torch.Tensor], max_new_tokens: int = 128, max
     costs = cost_curve(model, prompts[0], [tree for _, tree, _ in chosen_rows])
     measured = [(1, 1.0)] + [(n + 1, c) for (n, _, _), c in zip(chosen_rows, costs, strict=True) if n > 0]
     cost = interpolate(*map(list, zip(*measured, strict=True)))
-    table, best = [], (0.0, None)
+    table, best = [], (0.0, None, 0)  # (replayed speed-up, head tree, lookup tokens)
     for (n, tree, expected), c in zip(chosen_rows, costs, strict=True):
         replays = []
         for lookup_tokens in LOOKUPS:
@@ -171,9 +170,10 @@ def calibrate(model, prompts: list[torch.Tensor], max_new_tokens: int = 128, max
             tokens, steps, spent = map(sum, zip(*(replay(r, candidate, cost) for r in records), strict=True))
             speedup = (tokens - len(records)) / spent  # plain decoding spends c = 1 per token after the first
             replays.append({"lookup": lookup_tokens, "accepted_length": tokens / steps, "speedup": speedup})
-            best = max(best, (speedup, candidate), key=lambda b: b[0])
+            best = max(best, (speedup, tree, lookup_tokens), key=lambda b: b[0])
         table.append({"nodes": n, "expected_accepted_length": expected, "cost": c, "expected_speedup": expected / c,
                       "replay": replays})
-    tree = best[1]
-    tree.name = "calibrated" + (f"+lookup{tree.lookup}" if tree.lookup else "")
+    _, tree, lookup_tokens = best
+    tree.name = "calibrated"
+    tree = tree.with_lookup(lookup_tokens)
     return {"tree": tree, "table": table, "accuracy_top_r": accuracy_table(hits, counts), "targets": counts.tolist()}
