@@ -12,15 +12,18 @@ def head_ranks(model, sequence: torch.Tensor, start: int, max_rank: int = 10) ->
     """Where each head ranked the token it aims at, at each step of an answer's greedy decoding.
 
     sequence: (T,) prompt + answer tokens, the answer from `start` on. Column i is the step whose
-    root is answer token i: the heads read the hidden state of the token before it, and head k aims
-    at answer token i + k + 1. Returns (K, A) ranks: max_rank where the top-max_rank missed it,
+    root is answer token i: the heads read the hidden state of the token before it (and chained heads
+    the answer tokens i..i + k: the path as it stands when all earlier guesses were right), and head
+    k aims at answer token i + k + 1. Returns (K, A) ranks: max_rank where the top-max_rank missed it,
     -1 where the answer ends before the target.
     """
     base = model.base_model
     ids = sequence[None].to(model.device)
     hidden = adapter.decoder(base)(input_ids=ids).last_hidden_state[0, start - 1 : -1]  # (A, H)
     answer = ids[0, start:]
-    top = model.heads.propose(hidden, max_rank, next_token=answer)  # (K, A, r) token ids
+    ahead = torch.arange(model.heads.config.num_heads, device=answer.device)
+    path = answer[(torch.arange(answer.numel(), device=answer.device)[:, None] + ahead).clamp(max=answer.numel() - 1)]
+    top = model.heads.propose(hidden, max_rank, tokens=path)  # (K, A, r) token ids
     ranks = torch.full(top.shape[:2], -1, dtype=torch.long, device=top.device)
     for k in range(top.shape[0]):
         target = answer[k + 1 :]  # (A - k - 1,)

@@ -182,7 +182,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.base is None:  # named, so that the default base gets fresh heads, not the shipped ones
         args.base = str(default_base_dir())
     model = load_model(args, num_heads=config.num_heads, num_layers=config.num_layers, projection=config.projection,
-                       draft_vocab=config.draft_vocab, next_token=config.next_token)
+                       draft_vocab=config.draft_vocab, next_token=config.next_token, chained=config.chained)
     train, held_out, skipped = prepare_examples(model, args.data, config)
     if skipped:
         print(f"skipped {skipped} malformed records")
@@ -207,6 +207,8 @@ def setup_train(p: argparse.ArgumentParser) -> None:
                    help="shared projection: heads propose only the N most frequent answer tokens (cheaper)")
     p.add_argument("--next-token", action="store_true",
                    help="heads also read the base model's next token (more accurate; native format only)")
+    p.add_argument("--chained", action="store_true",
+                   help="each head also reads the candidates of the heads before it (implies --next-token)")
     p.add_argument("--epochs", type=int, default=d.epochs)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--batch-size", type=int, default=d.batch_size)

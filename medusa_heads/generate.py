@@ -70,10 +70,9 @@ class Decoder:
             tree.check(heads.num_heads, heads.draft_vocab or heads.vocab_size)
         self.model, self.tree, self.device = model, tree, model.device
         speed.install(model)
-        tree_buffers = (tree.depths, tree.parents, tree.retrieve, tree.mask, tree.candidate_index(tree.topk))
-        self.depths, self.parents, self.retrieve, self.tree_mask, self.cand_index = (
-            t.to(self.device) for t in tree_buffers
-        )
+        tree_buffers = (tree.depths, tree.parents, tree.retrieve, tree.mask)
+        self.depths, self.parents, self.retrieve, self.tree_mask = (t.to(self.device) for t in tree_buffers)
+        self.levels = tree.levels(self.device)
         self.rows: dict[int, _Row] = {}  # every row added, by id, until the caller forgets it
         self.active: list[int] = []  # batch position -> row id
         self.pending: list[int] = []  # added, not yet prefilled
@@ -173,9 +172,8 @@ class Decoder:
         batch = self.root.shape[0]
         tokens = self.root[:, None]
         if self.tree.head_size > 1:
-            top = self.model.heads.propose(self.hidden, self.tree.topk, self.tree.depth, self.root)  # (D, B, topk)
-            candidates = top.permute(1, 0, 2).reshape(batch, -1)[:, self.cand_index]  # (B, head_size-1)
-            tokens = torch.cat([tokens, candidates], dim=1)
+            candidates = self.model.heads.draft(self.hidden, self.root, self.levels, self.tree.topk)
+            tokens = torch.cat([tokens, candidates], dim=1)  # (B, head_size)
         if self.tree.lookup:
             tokens = torch.cat([tokens, self._lookup_drafts()], dim=1)
         n = tokens.shape[1]  # this step's tree: the first n nodes (the lookup branch may be cut short)

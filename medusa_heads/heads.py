@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from .tree import Level
+
 PROJECTIONS = ("own", "shared")
 
 
@@ -19,6 +21,7 @@ class HeadsConfig:
     vocab_size: int = 0  # rows of the base model's lm_head
     draft_vocab: int = 0  # > 0: the heads propose only these tokens (`token_map`), a cheaper projection
     next_token: bool = False  # heads also read the base model's next token (the tree's root), known before they guess
+    chained: bool = False  # head k reads the candidate path's token at depth k, through head k-1 (needs next_token)
 
     def __post_init__(self) -> None:
         if self.projection not in PROJECTIONS:
@@ -28,6 +31,8 @@ class HeadsConfig:
         if self.draft_vocab and (self.projection != "shared" or not 0 < self.draft_vocab <= self.vocab_size):
             raise ValueError(f"draft_vocab needs projection='shared' and 0 < draft_vocab <= vocab_size "
                              f"({self.vocab_size}), got {self.draft_vocab} with projection={self.projection!r}")
+        if self.chained and not self.next_token:
+            raise ValueError("chained heads read the tokens of the path they extend: they need next_token=True")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -53,6 +58,13 @@ class MedusaHeads(nn.Module):
     head k adds a learned map (starting at zero) of that token's RMS-normalised lm_head row to the
     hidden state before its blocks, so that it guesses token t + k + 2 knowing token t + 1 (as
     Hydra's heads do for their first token).
+
+    `chained` heads go further (Hydra's sequential heads): head k reads the output state of head
+    k - 1 instead of the hidden state, plus the token the path holds at depth k (the root for head
+    0, then the candidates of the heads before it), so each head guesses knowing the whole path it
+    extends. In a tree, head k then runs once per depth-k node that has children. They train on
+    the real tokens (teacher forcing): the only case that matters, since a guess counts only when
+    the path before it was right.
 
     `own` projection: each head has a vocabulary projection, initialised as a copy of lm_head.
     `shared` projection: every head reuses the base lm_head, which stays frozen and is not part of
@@ -94,26 +106,61 @@ class MedusaHeads(nn.Module):
             self.token_map.copy_(token_ids)
             self.draft_weight.copy_(self.base_lm_head.weight[self.token_map.to(self.base_lm_head.weight.device)])
 
-    def head_logits(self, hidden: torch.Tensor, k: int, next_token: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of head k (0-based): (*hidden.shape[:-1], vocab or draft_vocab); `next_token`
-        (hidden.shape[:-1]) is the base model's token at each position, for next_token heads."""
-        return self._project(self._head_input(hidden, k, self._token_features(next_token)), k)
+    def states(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None,
+               num_heads: int | None = None) -> torch.Tensor:
+        """Each head's state before the vocabulary projection: (K, *hidden.shape[:-1], H).
+
+        tokens (next_token heads): the base model's next token at each position, (*hidden.shape[:-1],),
+        or the path from it, (*hidden.shape[:-1], K): that token, then the K - 1 tokens after it,
+        which chained heads need (the others read only the first).
+        """
+        count = self.config.num_heads if num_heads is None else num_heads
+        chained = self.config.chained
+        if self.token_inputs is not None and tokens is None:
+            raise ValueError("these heads read the base model's next token: pass tokens")
+        path = tokens is not None and tokens.dim() == hidden.dim()
+        if chained and not (path and tokens.shape[-1] >= count):
+            raise ValueError(f"chained heads read the path's tokens: pass tokens of shape (..., {count})")
+        x = hidden.to(self._dtype)
+        shared = None if tokens is None or chained else self._token_features(tokens[..., 0] if path else tokens)
+        out: list[torch.Tensor] = []
+        for k in range(count):
+            if chained:
+                out.append(self._advance(out[-1] if out else x, k, self._token_features(tokens[..., k])))
+            else:
+                out.append(self._advance(x, k, shared))
+        return torch.stack(out)
 
     def forward(self, hidden: torch.Tensor, num_heads: int | None = None,
-                next_token: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of the first num_heads heads (default all): (K, *hidden.shape[:-1], vocab or draft_vocab)."""
-        count = self.config.num_heads if num_heads is None else num_heads
-        features = self._token_features(next_token)  # once for all heads
-        states = [self._head_input(hidden, k, features) for k in range(count)]
+                tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the first num_heads heads (default all): (K, *hidden.shape[:-1], vocab or draft_vocab);
+        tokens as for `states`."""
+        states = self.states(hidden, tokens, num_heads)
         if self.projections is None:  # one vocabulary matmul for all heads
-            return self._project(torch.stack(states))
-        return torch.stack([self._project(x, k) for k, x in enumerate(states)])
+            return self.project(states)
+        return torch.stack([self.project(x, k) for k, x in enumerate(states)])
 
     def propose(self, hidden: torch.Tensor, topk: int, num_heads: int | None = None,
-                next_token: torch.Tensor | None = None) -> torch.Tensor:
+                tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids of each head's top-k guesses, best first: (K, *hidden.shape[:-1], topk)."""
-        top = self(hidden, num_heads, next_token).topk(topk, dim=-1).indices
-        return top if self.token_map is None else self.token_map[top]
+        return self._token_ids(self(hidden, num_heads, tokens).topk(topk, dim=-1).indices)
+
+    def draft(self, hidden: torch.Tensor, root: torch.Tensor, levels: list[Level], topk: int) -> torch.Tensor:
+        """Candidate tokens of a tree's head nodes, (B, nodes - 1), for rows whose last accepted
+        hidden state is hidden (B, H) and whose next token (the tree's root) is root (B,)."""
+        tokens = root.new_empty(root.shape[0], 1 + sum(len(level.children) for level in levels))
+        tokens[:, 0] = root
+        if not self.config.chained:  # all nodes of a depth take from one top-k list
+            top = self.propose(hidden, topk, len(levels), root)  # (D, B, topk)
+            for k, level in enumerate(levels):
+                tokens[:, level.children] = top[k][:, level.ranks]
+            return tokens[:, 1:]
+        state = hidden[:, None].to(self._dtype)  # (B, 1 or the previous depth's sources, H)
+        for k, level in enumerate(levels):
+            state = self._advance(state[:, level.parents], k, self._token_features(tokens[:, level.sources]))
+            top = self._token_ids(self.project(state, k).topk(topk, dim=-1).indices)  # (B, sources, topk)
+            tokens[:, level.children] = top[:, level.source_of_child, level.ranks]
+        return tokens[:, 1:]
 
     def draft_index(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Where each token id sits in the heads' logits; -1 for tokens outside the draft vocabulary."""
@@ -123,22 +170,24 @@ class MedusaHeads(nn.Module):
         lookup[self.token_map.to(token_ids.device)] = torch.arange(len(self.token_map), device=token_ids.device)
         return lookup[token_ids]
 
-    def _token_features(self, next_token: torch.Tensor | None) -> torch.Tensor | None:
-        """The RMS-normalised lm_head rows of the next tokens, for next_token heads (else None)."""
+    def _token_features(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """The RMS-normalised lm_head rows of these tokens, for next_token heads (else None)."""
         if self.token_inputs is None:
             return None
-        if next_token is None:
-            raise ValueError("these heads read the base model's next token: pass next_token")
-        rows = self.base_lm_head.weight[next_token.to(self.base_lm_head.weight.device)].to(self._dtype)
+        rows = self.base_lm_head.weight[tokens.to(self.base_lm_head.weight.device)].to(self._dtype)
         return nn.functional.rms_norm(rows, rows.shape[-1:])
 
-    def _head_input(self, hidden: torch.Tensor, k: int, features: torch.Tensor | None) -> torch.Tensor:
-        x = hidden.to(self._dtype)
+    def _advance(self, state: torch.Tensor, k: int, features: torch.Tensor | None) -> torch.Tensor:
+        """Head k's blocks over a state (the hidden state, or head k-1's for chained heads) plus its token map."""
         if features is not None:
-            x = x + self.token_inputs[k](features)
-        return self.blocks[k](x)
+            state = state + self.token_inputs[k](features)
+        return self.blocks[k](state)
 
-    def _project(self, states: torch.Tensor, k: int | None = None) -> torch.Tensor:
+    def _token_ids(self, top: torch.Tensor) -> torch.Tensor:
+        return top if self.token_map is None else self.token_map[top]
+
+    def project(self, states: torch.Tensor, k: int | None = None) -> torch.Tensor:
+        """Vocabulary (or draft vocabulary) logits of head states; k: whose projection, for own projections."""
         if self.projections is not None:
             return self.projections[k](states)
         if self.token_map is None:

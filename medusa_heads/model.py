@@ -43,12 +43,13 @@ class MedusaModel(nn.Module):
         projection: str = "own",
         draft_vocab: int = 0,
         next_token: bool = False,
+        chained: bool = False,
         tokenizer: Any = None,
         **hf_kwargs: Any,
     ) -> MedusaModel:
         """Load a base model (hub id, local folder, GGUF file, loaded model; None: the embedded
         default) and attach heads from a folder, or fresh heads when `heads` is None (num_heads,
-        num_layers, projection, draft_vocab and next_token describe fresh heads; see HeadsConfig).
+        num_layers, projection, draft_vocab, next_token and chained describe fresh heads; see HeadsConfig).
 
         With no base and no heads, the heads shipped for the embedded default are attached.
         `hf_kwargs` go to `AutoModelForCausalLM.from_pretrained` (e.g. dtype, device_map).
@@ -66,7 +67,7 @@ class MedusaModel(nn.Module):
         lm_head = adapter.lm_head(base_model)
         if heads is None:
             vocab, hidden = lm_head.weight.shape
-            config = HeadsConfig(num_heads, num_layers, projection, hidden, vocab, draft_vocab, next_token)
+            config = HeadsConfig(num_heads, num_layers, projection, hidden, vocab, draft_vocab, next_token, chained)
             medusa_heads = MedusaHeads(config, lm_head)
         else:
             medusa_heads = load_heads(heads, lm_head)

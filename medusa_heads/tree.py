@@ -13,11 +13,23 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 PRESET_DIR = Path(__file__).parent / "trees"
+
+
+@dataclass
+class Level:
+    """The head nodes at depth d + 1 and the nodes they hang from, by node index: what head d drafts."""
+
+    sources: torch.Tensor  # (m,) the nodes at depth d that have children
+    parents: torch.Tensor  # (m,) each source's parent, as a position among the sources of depth d - 1 (0 at d = 0)
+    children: torch.Tensor  # (c,) the nodes at depth d + 1
+    source_of_child: torch.Tensor  # (c,) each child's parent, as a position among sources
+    ranks: torch.Tensor  # (c,) each child's rank among its head's guesses
 
 
 class Tree:
@@ -62,9 +74,19 @@ class Tree:
             retrieve[row, : len(chain)] = torch.tensor(chain[::-1])
         self.retrieve = retrieve  # (P, reach + 1): root-to-leaf node indices, -1 padded
 
-    def candidate_index(self, topk: int) -> torch.Tensor:
-        """Index of each head node into the heads' flattened (K * topk) candidates: (head_size-1,)."""
-        return (self.depths[1 : self.head_size] - 1) * topk + self.ranks
+    def levels(self, device: torch.device | str = "cpu") -> list[Level]:
+        """The head nodes depth by depth, as the heads draft them (`MedusaHeads.draft`)."""
+        index = {p: i + 1 for i, p in enumerate(self.paths)} | {(): 0}
+        levels, previous = [], [0]
+        for d in range(self.depth):
+            below = [p for p in self.paths if len(p) == d + 1]
+            sources = sorted({index[p[:-1]] for p in below})
+            parents = [previous.index(index[self.paths[s - 1][:-1]]) if s else 0 for s in sources]
+            children, source_of_child = [index[p] for p in below], [sources.index(index[p[:-1]]) for p in below]
+            columns = (sources, parents, children, source_of_child, [p[-1] for p in below])
+            levels.append(Level(*(torch.tensor(c, dtype=torch.long, device=device) for c in columns)))
+            previous = sources
+        return levels
 
     def check(self, num_heads: int, topk_limit: int) -> None:
         """Raise when the tree needs more heads than the model has, or ranks beyond what top-k offers."""

@@ -39,16 +39,19 @@ def test_trees_are_exercised():
     assert max(lookup.accept_lengths[0]) >= 4 and lookup.new_tokens == out.new_tokens
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
-def test_next_token_heads_keep_greedy_exact(arch):
-    model = medusa_tiny(arch, next_token=True)
+@pytest.mark.parametrize(("arch", "chained"), [("llama", False), ("qwen2", False), ("gpt2", False),
+                                               ("llama", True), ("phi3", True)])
+def test_heads_that_read_tokens_keep_greedy_exact(arch, chained):
+    model = medusa_tiny(arch, next_token=True, chained=chained)
     hidden = torch.randn(1, model.config.hidden_size)
-    assert not torch.equal(model.heads(hidden, next_token=torch.tensor([3])),
-                           model.heads(hidden, next_token=torch.tensor([4])))  # the guesses read the root
+    path = torch.tensor([[3, 5, 7, 9]])
+    assert not torch.equal(model.heads(hidden, tokens=path), model.heads(hidden, tokens=path + 1))  # they read the root
+    later = model.heads(hidden, tokens=torch.tensor([[3, 6, 8, 10]]))[1:]
+    assert torch.equal(later, model.heads(hidden, tokens=path)[1:]) != chained  # chained heads read the path too
     for trial in range(3):
         ids = torch.randint(3, 16, (1, 4 + trial), generator=torch.Generator().manual_seed(trial))
         expected = hf_greedy(model.base_model, ids, max_new_tokens=24)
-        for tree in TREES:
+        for tree in [*TREES, random_tree(random.Random(trial))]:
             out = model.generate(ids, max_new_tokens=24, tree=tree, eos_token_id=[])
             assert torch.equal(out.sequences, expected), (arch, tree, trial)
 

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from conftest import ARCHS, tiny_model
+from conftest import ARCHS, medusa_tiny, tiny_model
 
-from medusa_heads import HeadsConfig, MedusaHeads, MedusaModel
+from medusa_heads import HeadsConfig, MedusaHeads, MedusaModel, Tree
 from medusa_heads.adapter import decoder, lm_head
 
 
@@ -69,6 +69,26 @@ def test_bad_config_is_refused():
         HeadsConfig(projection="tied")
     with pytest.raises(ValueError, match="num_heads"):
         HeadsConfig(num_heads=0)
+    with pytest.raises(ValueError, match="need next_token=True"):
+        HeadsConfig(chained=True)
+
+
+@pytest.mark.parametrize(("kind", "projection"), [("plain", "own"), ("next_token", "shared"), ("chained", "own"),
+                                                  ("chained", "shared")])
+def test_a_tree_drafts_each_node_from_its_own_path(kind, projection):
+    """Every candidate is the rank its path names among the guesses of the head at its depth, that
+    head reading the path above it (chained heads), or only the root (the others)."""
+    model = medusa_tiny("llama", num_heads=3, projection=projection, draft_vocab=12 if projection == "shared" else 0,
+                        next_token=kind != "plain", chained=kind == "chained")
+    tree = Tree([[0, 0, 0], [1, 0, 1], [2, 1], [0, 2], [1, 1, 0]])
+    hidden, root = torch.randn(2, model.config.hidden_size), torch.tensor([3, 9])
+    candidates = model.heads.draft(hidden, root, tree.levels(), tree.topk)
+    for b in range(2):
+        for i, path in enumerate(tree.paths):
+            above = [candidates[b, tree.paths.index(path[:j])].item() for j in range(1, len(path))]
+            tokens = torch.tensor([[root[b].item(), *above] + [0] * (3 - len(path))])
+            guesses = model.heads.propose(hidden[b : b + 1], tree.topk, tokens=tokens)  # (K, 1, topk)
+            assert candidates[b, i] == guesses[len(path) - 1, 0, path[-1]], (b, path)
 
 
 def test_draft_vocabulary_projects_onto_the_chosen_rows_only():

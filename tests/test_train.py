@@ -102,6 +102,32 @@ def test_next_token_heads_learn_what_follows_the_root(tmp_path):
     assert reloaded.heads.config.next_token
 
 
+def test_chained_heads_learn_what_follows_the_path(tmp_path):
+    """Triples (5, r, g(r)), r random: from the token before a 5, the second head aims at g(r),
+    which only a head that reads r (the first head's target) can name."""
+    def triples(count, seed):
+        generator = torch.Generator().manual_seed(seed)
+        examples = []
+        for _ in range(count):
+            ids = [t for r in torch.randint(6, 16, (8,), generator=generator).tolist()
+                   for t in (5, r, 6 + (r - 3) % 10)]
+            examples.append(Example(ids, list(ids)))
+        return examples
+
+    second_head = {}
+    for chained in (False, True):
+        model = MedusaModel.from_pretrained(tiny_model("llama").float(), num_heads=2, projection="shared",
+                                            next_token=True, chained=chained, tokenizer=tiny_tokenizer())
+        config = TrainConfig(num_heads=2, projection="shared", chained=chained, epochs=8, lr=1e-2, batch_size=8,
+                             checkpoint_every=10_000)
+        result = Trainer(model, config, tmp_path / str(chained)).fit(triples(96, 0), triples(16, 1))
+        second_head[chained] = result["history"][-1]["accuracy"][1]["top1"]
+    # knowable: chained, 2 positions of 3 (~0.7); reading the root only, 1 of 3 (~0.4)
+    assert second_head[True] > 0.6 and second_head[False] < 0.5, second_head
+    reloaded = MedusaModel.from_pretrained(model.base_model, heads=tmp_path / "True")
+    assert reloaded.heads.config.chained and reloaded.heads.config.next_token
+
+
 def test_draft_vocabulary_is_the_most_frequent_answer_tokens(tmp_path):
     model = tiny_medusa(projection="shared", draft_vocab=8)
     config = TrainConfig(num_heads=3, projection="shared", draft_vocab=8, epochs=8, lr=1e-2, batch_size=8,

@@ -1,4 +1,4 @@
-"""Tree buffers: mask, depths, candidate indices, retrieve paths, presets and errors."""
+"""Tree buffers: mask, depths, levels, retrieve paths, presets and errors."""
 
 import json
 
@@ -14,8 +14,11 @@ def test_buffers_of_a_small_tree():
     assert tree.size == 6 and tree.depth == 2 and tree.topk == 2
     assert tree.depths.tolist() == [0, 1, 1, 2, 2, 2]
     assert tree.parents.tolist() == [0, 0, 0, 1, 1, 2]
-    # node i -> head (depth - 1), rank; flattened over (head, topk)
-    assert tree.candidate_index(topk=2).tolist() == [0, 1, 2, 3, 2]
+    levels = [{k: v.tolist() for k, v in vars(level).items()} for level in tree.levels()]
+    assert levels == [
+        dict(sources=[0], parents=[0], children=[1, 2], source_of_child=[0, 0], ranks=[0, 1]),
+        dict(sources=[1, 2], parents=[0, 0], children=[3, 4, 5], source_of_child=[0, 0, 1], ranks=[0, 1, 0]),
+    ]
     expected_mask = torch.tensor([
         [1, 0, 0, 0, 0, 0],
         [1, 1, 0, 0, 0, 0],
@@ -26,6 +29,8 @@ def test_buffers_of_a_small_tree():
     ], dtype=torch.bool)
     assert torch.equal(tree.mask, expected_mask)
     assert tree.retrieve.tolist() == [[0, 1, 3], [0, 1, 4], [0, 2, 5]]
+    deeper = Tree([[0, 0, 0], [1, 0, 1]]).levels()[2]  # nodes 3 (0, 0) and 4 (1, 0) hang from 1 and 2
+    assert (deeper.sources.tolist(), deeper.parents.tolist(), deeper.children.tolist()) == ([3, 4], [0, 1], [5, 6])
 
 
 def test_missing_prefixes_are_added_and_duplicates_merged():
@@ -39,7 +44,7 @@ def test_a_lookup_branch_is_a_chain_after_the_head_nodes():
     assert tree.head_size == 4 and tree.size == 7 and tree.depth == 2 and tree.lookup == 3
     assert tree.parents.tolist() == [0, 0, 0, 1, 0, 4, 5]
     assert tree.depths.tolist() == [0, 1, 1, 2, 1, 2, 3]
-    assert tree.candidate_index(topk=2).tolist() == [0, 1, 2]  # head nodes only
+    assert [level.children.tolist() for level in tree.levels()] == [[1, 2], [3]]  # head nodes only
     assert tree.retrieve.tolist() == [[0, 2, -1, -1], [0, 1, 3, -1], [0, 4, 5, 6]]
     assert tree.mask[6].tolist() == [True, False, False, False, True, True, True]
     plain = Tree.load("plain+lookup2")

@@ -8,17 +8,15 @@ import torch.nn.functional as F
 from .data import IGNORE
 
 
-def head_targets(labels: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions (flat indices into (B, T)) where head k (0-based) has a target, and those targets.
+def head_targets(labels: torch.Tensor, k: int) -> torch.Tensor:
+    """What head k (0-based) aims at from each position, flat over (B, T); IGNORE where nothing.
 
     Head k at position t aims at token t + k + 2; the base lm_head itself covers t + 1.
     """
     shift = k + 2
     target = torch.full_like(labels, IGNORE)
     target[:, :-shift] = labels[:, shift:]
-    flat = target.reshape(-1)
-    where = (flat != IGNORE).nonzero(as_tuple=True)[0]
-    return where, flat[where]
+    return target.reshape(-1)
 
 
 def heads_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, decay: float = 0.8, topk: int = 5,
@@ -26,28 +24,38 @@ def heads_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, decay: float =
     """sum_k decay^k * CE_k over assistant targets; also per-head (top-1 hits, top-k hits, count).
 
     hidden: (B, T, H) last hidden states; labels: (B, T) with IGNORE outside assistant tokens; ids:
-    (B, T) the tokens, which next_token heads read (token t + 1 at position t).
-    Only positions with a target go through the vocabulary projection, one head at a time; with a
-    draft vocabulary, targets outside it count as misses and add no loss.
+    (B, T) the tokens, which next_token heads read (token t + 1 at position t; chained heads also
+    the tokens after it, the path as it stands when the earlier heads guessed right).
+    Only positions with a target go through the heads; with a draft vocabulary, targets outside it
+    count as misses and add no loss.
     """
-    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    flat_ids = None if ids is None else ids.reshape(-1)
+    K = heads.config.num_heads
+    targets = torch.stack([head_targets(labels, k) for k in range(K)])  # (K, B*T)
+    where = (targets != IGNORE).any(0).nonzero(as_tuple=True)[0]
     total = hidden.new_zeros((), dtype=torch.float32)
-    stats = torch.zeros(heads.config.num_heads, 3, dtype=torch.long)
-    for k in range(heads.config.num_heads):
-        where, target = head_targets(labels, k)
-        if where.numel() == 0:
+    stats = torch.zeros(K, 3, dtype=torch.long)
+    if where.numel() == 0:
+        return total, stats
+    tokens = None
+    if ids is not None:
+        flat_ids = ids.reshape(-1)
+        ahead = 1 + torch.arange(K, device=where.device)
+        tokens = flat_ids[(where[:, None] + ahead).clamp(max=flat_ids.numel() - 1)]  # (N, K)
+    states = heads.states(hidden.reshape(-1, hidden.shape[-1])[where], tokens)  # (K, N, H)
+    for k in range(K):
+        target = targets[k, where]
+        keep = target != IGNORE
+        if not keep.any():
             continue
-        next_token = None if flat_ids is None else flat_ids[where + 1]
-        logits = heads.head_logits(flat_hidden[where], k, next_token).float()  # (N, V or draft_vocab)
-        index = heads.draft_index(target)  # -1: a token the heads cannot propose (a miss, no loss)
+        logits = heads.project(states[k][keep], k).float()  # (n, V or draft_vocab)
+        index = heads.draft_index(target[keep])  # -1: a token the heads cannot propose (a miss, no loss)
         ce = F.cross_entropy(logits, index, ignore_index=-1, reduction="sum") / (index >= 0).sum().clamp_min(1)
         total = total + decay**k * ce
         with torch.no_grad():
             top = logits.topk(topk, dim=-1).indices
             stats[k, 0] = (top[:, 0] == index).sum()
             stats[k, 1] = (top == index[:, None]).any(-1).sum()
-            stats[k, 2] = target.numel()
+            stats[k, 2] = index.numel()
     return total, stats
 
 

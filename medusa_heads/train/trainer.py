@@ -39,6 +39,7 @@ class TrainConfig:
     projection: str = "own"  # "own" vocabulary projection per head, or "shared" base lm_head
     draft_vocab: int = 0  # shared projection: heads propose only the N most frequent answer tokens
     next_token: bool = False  # heads also read the base model's next token (see HeadsConfig)
+    chained: bool = False  # each head also reads the earlier heads' candidates (implies next_token)
     epochs: int = 2
     lr: float = 1e-3  # heads' learning rate (Medusa-1); backbone's (Medusa-2)
     batch_size: int = 8  # conversations per optimiser step, over all processes
@@ -63,6 +64,7 @@ class TrainConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.epochs < 1 or self.batch_size < 1 or self.max_length < 8:
             raise ValueError("epochs and batch_size must be >= 1 and max_length >= 8")
+        self.next_token = self.next_token or self.chained
 
 
 def prepare_examples(model, data: str | Path, config: TrainConfig) -> tuple[list[Example], list[Example], int]:
