@@ -64,7 +64,8 @@ class MedusaHeads(nn.Module):
     0, then the candidates of the heads before it), so each head guesses knowing the whole path it
     extends. In a tree, head k then runs once per depth-k node that has children. They train on
     the real tokens (teacher forcing): the only case that matters, since a guess counts only when
-    the path before it was right.
+    the path before it was right. Head k-1's state enters head k without gradient, so each head's
+    blocks learn their own target only (with the gradient flowing back, head 1 lost 0.04 top-1).
 
     `own` projection: each head has a vocabulary projection, initialised as a copy of lm_head.
     `shared` projection: every head reuses the base lm_head, which stays frozen and is not part of
@@ -126,7 +127,7 @@ class MedusaHeads(nn.Module):
         out: list[torch.Tensor] = []
         for k in range(count):
             if chained:
-                out.append(self._advance(out[-1] if out else x, k, self._token_features(tokens[..., k])))
+                out.append(self._advance(out[-1].detach() if out else x, k, self._token_features(tokens[..., k])))
             else:
                 out.append(self._advance(x, k, shared))
         return torch.stack(out)

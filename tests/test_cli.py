@@ -63,6 +63,6 @@ def test_train_on_the_default_base_builds_fresh_heads(tiny_folder, tmp_path, mon
                             for _ in range(4)))
     out = tmp_path / "heads"
     assert cli.main(["train", "--data", str(data), "--out", str(out), "--num-heads", "2", "--num-layers", "2",
-                     "--next-token", "--epochs", "1", "--batch-size", "2"]) == 0
+                     "--chained", "--epochs", "1", "--batch-size", "2"]) == 0
     config = json.loads((out / "config.json").read_text())
-    assert (config["num_heads"], config["num_layers"], config["next_token"]) == (2, 2, True)
+    assert (config["num_heads"], config["num_layers"], config["next_token"], config["chained"]) == (2, 2, True, True)
