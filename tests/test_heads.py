@@ -89,6 +89,9 @@ def test_a_tree_drafts_each_node_from_its_own_path(kind, projection):
             tokens = torch.tensor([[root[b].item(), *above] + [0] * (3 - len(path))])
             guesses = model.heads.propose(hidden[b : b + 1], tree.topk, tokens=tokens)  # (K, 1, topk)
             assert candidates[b, i] == guesses[len(path) - 1, 0, path[-1]], (b, path)
+    if kind == "chained":  # the root alone is not enough for them
+        with pytest.raises(ValueError, match="path's tokens"):
+            model.heads(hidden, tokens=root)
 
 
 def test_draft_vocabulary_projects_onto_the_chosen_rows_only():
