@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import adapter
+from .heads import path_tokens
 
 
 @torch.inference_mode()
@@ -21,8 +22,7 @@ def head_ranks(model, sequence: torch.Tensor, start: int, max_rank: int = 10) ->
     ids = sequence[None].to(model.device)
     hidden = adapter.decoder(base)(input_ids=ids).last_hidden_state[0, start - 1 : -1]  # (A, H)
     answer = ids[0, start:]
-    ahead = torch.arange(model.heads.config.num_heads, device=answer.device)
-    path = answer[(torch.arange(answer.numel(), device=answer.device)[:, None] + ahead).clamp(max=answer.numel() - 1)]
+    path = path_tokens(answer, torch.arange(answer.numel(), device=answer.device), model.heads.config.num_heads)
     top = model.heads.propose(hidden, max_rank, tokens=path)  # (K, A, r) token ids
     ranks = torch.full(top.shape[:2], -1, dtype=torch.long, device=top.device)
     for k in range(top.shape[0]):

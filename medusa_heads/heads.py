@@ -202,6 +202,13 @@ class MedusaHeads(nn.Module):
         return next(self.parameters(), self.base_lm_head.weight).dtype
 
 
+def path_tokens(ids: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:
+    """ids[s], ids[s + 1], ..., ids[s + length - 1] for each start s (clamped at the end of ids):
+    (len(starts), length), the path the heads read at a position whose next token is ids[s]."""
+    ahead = torch.arange(length, device=starts.device)
+    return ids[(starts[:, None] + ahead).clamp(max=ids.numel() - 1)]
+
+
 def _zero_linear(size: int) -> nn.Linear:
     layer = nn.Linear(size, size, bias=False)
     nn.init.zeros_(layer.weight)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..heads import path_tokens
 from .data import IGNORE
 
 
@@ -36,11 +37,7 @@ def heads_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, decay: float =
     stats = torch.zeros(K, 3, dtype=torch.long)
     if where.numel() == 0:
         return total, stats
-    tokens = None
-    if ids is not None:
-        flat_ids = ids.reshape(-1)
-        ahead = 1 + torch.arange(K, device=where.device)
-        tokens = flat_ids[(where[:, None] + ahead).clamp(max=flat_ids.numel() - 1)]  # (N, K)
+    tokens = None if ids is None else path_tokens(ids.reshape(-1), where + 1, K)  # (N, K)
     states = heads.states(hidden.reshape(-1, hidden.shape[-1])[where], tokens)  # (K, N, H)
     for k in range(K):
         target = targets[k, where]
