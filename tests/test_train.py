@@ -58,10 +58,11 @@ def tiny_medusa(projection="own", num_heads=3, draft_vocab=0):
                                        tokenizer=tiny_tokenizer())
 
 
-def test_heads_learn_the_right_offsets(tmp_path):
+@pytest.mark.parametrize("bf16", [False, True])
+def test_heads_learn_the_right_offsets(tmp_path, bf16):
     model = tiny_medusa()
     before = {k: v.clone() for k, v in model.base_model.state_dict().items()}
-    config = TrainConfig(num_heads=3, epochs=8, lr=1e-2, batch_size=8, checkpoint_every=10_000)
+    config = TrainConfig(num_heads=3, epochs=8, lr=1e-2, batch_size=8, checkpoint_every=10_000, bf16=bf16)
     result = Trainer(model, config, tmp_path).fit(counting_examples(96), counting_examples(16, seed=1))
     accuracy = result["history"][-1]["accuracy"]
     assert all(a["top1"] > 0.6 for a in accuracy), accuracy  # chance is 0.1

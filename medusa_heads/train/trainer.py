@@ -48,6 +48,7 @@ class TrainConfig:
     warmup_ratio: float = 0.05  # linear warm-up share of all steps, then cosine decay
     eval_fraction: float = 0.05  # held-out share for per-head accuracy
     seed: int = 0
+    bf16: bool = False  # training steps' products in bfloat16 (autocast; weights and optimiser stay float32)
     cache_hidden: bool = True  # Medusa-1: compute backbone hidden states once, reuse every epoch
     checkpoint_every: int = 200  # optimiser steps between checkpoints
     skip_bad: bool = False  # skip malformed records instead of stopping
@@ -292,7 +293,8 @@ class Trainer:
                 batch = [train[i] for i in batches[step]]
                 cached = [states[i] for i in batches[step]] if states is not None else None
                 joint = position["global_step"] >= config.heads_warmup_steps
-                loss, stats = module(*collate(batch, acc.device, cached), joint=joint)
+                with torch.autocast(acc.device.type, dtype=torch.bfloat16, enabled=config.bf16):
+                    loss, stats = module(*collate(batch, acc.device, cached), joint=joint)
                 acc.backward(loss)
                 optimizer.step()
                 scheduler.step()
