@@ -1,13 +1,14 @@
 """Speed levers of the decoding loop that leave its outputs exact; each can be switched off.
 
 Skinny matmuls: a decoding step runs every linear layer over a few rows (1 to ~64 tree tokens per
-sequence). On a CPU, F.linear over 2-16 rows takes MKL's general kernel, which is 2-4x slower here
-than the same product written as W @ x^T (measured on a 2-core AVX2 machine: lm_head of
-SmolLM2-135M over 2 rows 18.8 ms -> 4.9 ms, over 16 rows 20.3 -> 14.6 ms). The decoder's linear
-layers take that route during a decoding step only (transformers' own generate is untouched). A
-single row over a large weight (the lm_head) runs as a gemv, which MKL keeps on one thread; it goes
-through the 2-row product instead (measured on a 2-core AMD EPYC: lm_head over 1 row 8.4 -> 2.9 ms;
-below ~4M weights the gemv stays faster). Set MEDUSA_HEADS_SKINNY_MATMUL=0 to turn both off.
+sequence). On a CPU, F.linear over 2-16 rows takes MKL's general kernel, which is 2-4x slower than
+the same product written as W @ x^T (2-core AVX2 machine: lm_head of SmolLM2-135M over 2 rows
+18.8 -> 4.9 ms, over 16 rows 20.3 -> 14.6 ms). One row is a gemv, which MKL runs on one thread, and
+widths that are not a multiple of 8 take slower kernels: rows are padded to 2, or above 8 to the next
+multiple of 8 (2-core AMD EPYC, SmolLM2-135M's linear layers with cold caches, as in decoding:
+1 row 47 -> 24 ms, 13 rows 97 -> 62 ms, 25 rows 101 -> 89 ms). The decoder's linear layers take
+that route during a decoding step only (transformers' own generate is untouched). Set
+MEDUSA_HEADS_SKINNY_MATMUL=0 to turn it off.
 
 Compiled decoding passes (opt-in: `MedusaModel.compile_decoding()`, `--compile`): the decoder's
 verification passes run through torch.compile, which fuses the many small operations around the
@@ -29,19 +30,24 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-SKINNY_ROWS = 32  # up to this many rows, W @ x^T beats F.linear on the CPUs measured
-LARGE_GEMV = 4_000_000  # from this many weights on, one row is faster as a 2-row product
+SKINNY_ROWS = 64  # up to this many rows, W @ x^T beats F.linear on the CPUs measured
 _in_step = ContextVar("medusa_heads_decoding_step", default=False)
+
+
+def padded_rows(rows: int) -> int:
+    """How many rows to multiply for `rows`: one row as two (MKL runs a one-row product, a gemv, on
+    one thread), more than 8 up to a multiple of 8 (the kernels' fast widths)."""
+    if rows == 1:
+        return 2
+    return rows if rows <= 8 else -(-rows // 8) * 8
 
 
 def _linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // max(1, x.shape[-1])
     # a compiled graph only ever runs inside decoding steps (and the context variable cannot be traced)
-    skinny = 1 < rows <= SKINNY_ROWS or (rows == 1 and module.weight.numel() >= LARGE_GEMV)
-    if x.device.type == "cpu" and skinny and (torch.compiler.is_compiling() or _in_step.get()):
+    if x.device.type == "cpu" and 0 < rows <= SKINNY_ROWS and (torch.compiler.is_compiling() or _in_step.get()):
         flat = x.reshape(rows, x.shape[-1])
-        if rows == 1:
-            flat = flat.repeat(2, 1)
+        flat = F.pad(flat, (0, 0, 0, padded_rows(rows) - rows))
         out = (module.weight @ flat.T)[:, :rows].T.reshape(*x.shape[:-1], module.out_features)
         return out if module.bias is None else out + module.bias
     return F.linear(x, module.weight, module.bias)

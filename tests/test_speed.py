@@ -8,14 +8,13 @@ from torch.nn import functional as F
 from medusa_heads import speed
 
 
-@pytest.mark.parametrize("out_features", [64, speed.LARGE_GEMV // 256 + 1])
-@pytest.mark.parametrize("rows", [1, 2, 7, speed.SKINNY_ROWS + 1])
-def test_linear_routes_match_f_linear(rows, out_features):
+@pytest.mark.parametrize("rows", [1, 2, 7, 9, speed.SKINNY_ROWS, speed.SKINNY_ROWS + 1])
+def test_linear_routes_match_f_linear(rows):
     torch.manual_seed(0)
-    layer = nn.Linear(256, out_features)
+    layer = nn.Linear(256, 96)
     speed.install(layer)
     x = torch.randn(1, rows, 256)
     with speed.decoding_step():
         got = layer(x)
-    assert got.shape == (1, rows, out_features)
+    assert got.shape == (1, rows, 96)
     torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-4, atol=1e-4)
