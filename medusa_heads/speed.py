@@ -46,9 +46,10 @@ def _linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // max(1, x.shape[-1])
     # a compiled graph only ever runs inside decoding steps (and the context variable cannot be traced)
     if x.device.type == "cpu" and 0 < rows <= SKINNY_ROWS and (torch.compiler.is_compiling() or _in_step.get()):
-        # row-major rows (a previous product's output is column-major): the fast layout of x^T for MKL
+        # row-major in and out: x^T's fast layout for MKL, and what later kernels expect (flash
+        # attention wants the queries' last dimension contiguous, else it falls back to the math path)
         flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, padded_rows(rows) - rows)).contiguous()
-        out = (module.weight @ flat.T)[:, :rows].T.reshape(*x.shape[:-1], module.out_features)
+        out = (module.weight @ flat.T)[:, :rows].T.contiguous().reshape(*x.shape[:-1], module.out_features)
         return out if module.bias is None else out + module.bias
     return F.linear(x, module.weight, module.bias)
 
