@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from . import speed
 from .tree import Level
 
 PROJECTIONS = ("own", "shared")
@@ -195,7 +196,7 @@ class MedusaHeads(nn.Module):
             return self.base_lm_head(states.to(self.base_lm_head.weight.dtype))
         bias = getattr(self.base_lm_head, "bias", None)
         bias = None if bias is None else bias[self.token_map].to(self.draft_weight.dtype)
-        return nn.functional.linear(states.to(self.draft_weight.dtype), self.draft_weight, bias)
+        return speed.linear(states.to(self.draft_weight.dtype), self.draft_weight, bias)
 
     @property
     def _dtype(self) -> torch.dtype:

@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 SKINNY_ROWS = 64  # up to this many rows, W @ x^T beats F.linear on the CPUs measured
+ENABLED = os.environ.get("MEDUSA_HEADS_SKINNY_MATMUL", "1") != "0"
 _in_step = ContextVar("medusa_heads_decoding_step", default=False)
 
 
@@ -42,25 +43,31 @@ def padded_rows(rows: int) -> int:
     return rows if rows <= 8 else -(-rows // 8) * 8
 
 
-def _linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through the skinny route on a CPU within a decoding step."""
     rows = x.numel() // max(1, x.shape[-1])
     # a compiled graph only ever runs inside decoding steps (and the context variable cannot be traced)
-    if x.device.type == "cpu" and 0 < rows <= SKINNY_ROWS and (torch.compiler.is_compiling() or _in_step.get()):
+    in_step = torch.compiler.is_compiling() or _in_step.get()
+    if ENABLED and in_step and x.device.type == "cpu" and 0 < rows <= SKINNY_ROWS:
         # row-major in and out: x^T's fast layout for MKL, and what later kernels expect (flash
         # attention wants the queries' last dimension contiguous, else it falls back to the math path)
         flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, padded_rows(rows) - rows)).contiguous()
-        out = (module.weight @ flat.T)[:, :rows].T.contiguous().reshape(*x.shape[:-1], module.out_features)
-        return out if module.bias is None else out + module.bias
-    return F.linear(x, module.weight, module.bias)
+        out = (weight @ flat.T)[:, :rows].T.contiguous().reshape(*x.shape[:-1], weight.shape[0])
+        return out if bias is None else out + bias
+    return F.linear(x, weight, bias)
+
+
+def _module_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, module.weight, module.bias)
 
 
 def install(model: nn.Module) -> None:
     """Give the model's CPU float linear layers the skinny route (idempotent; no-op when switched off)."""
-    if os.environ.get("MEDUSA_HEADS_SKINNY_MATMUL", "1") == "0":
+    if not ENABLED:
         return
     for module in model.modules():
         if type(module) is nn.Linear and module.weight.device.type == "cpu" and "forward" not in vars(module):
-            module.forward = partial(_linear, module)
+            module.forward = partial(_module_linear, module)
 
 
 @contextmanager
