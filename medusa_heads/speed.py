@@ -4,11 +4,11 @@ Skinny matmuls: a decoding step runs every linear layer over a few rows (1 to ~6
 sequence). On a CPU, F.linear over 2-16 rows takes MKL's general kernel, which is 2-4x slower than
 the same product written as W @ x^T (2-core AVX2 machine: lm_head of SmolLM2-135M over 2 rows
 18.8 -> 4.9 ms, over 16 rows 20.3 -> 14.6 ms). One row is a gemv, which MKL runs on one thread, and
-widths that are not a multiple of 8 take slower kernels: rows are padded to 2, or above 8 to the next
+some widths take slower kernels: 1 and 3 rows are padded to 2 and 4, above 8 rows to the next
 multiple of 8 (2-core AMD EPYC, SmolLM2-135M's linear layers with cold caches, as in decoding:
-1 row 47 -> 24 ms, 13 rows 97 -> 62 ms, 25 rows 101 -> 89 ms). The decoder's linear layers take
-that route during a decoding step only (transformers' own generate is untouched). Set
-MEDUSA_HEADS_SKINNY_MATMUL=0 to turn it off.
+1 row 47 -> 24 ms, 3 rows 32 -> 29 ms, 13 rows 97 -> 62 ms, 25 rows 101 -> 89 ms). The decoder's
+linear layers and the heads' draft projection take that route during a decoding step only
+(transformers' own generate is untouched). Set MEDUSA_HEADS_SKINNY_MATMUL=0 to turn it off.
 
 Compiled decoding passes (opt-in: `MedusaModel.compile_decoding()`, `--compile`): the decoder's
 verification passes run through torch.compile, which fuses the many small operations around the
@@ -36,10 +36,10 @@ _in_step = ContextVar("medusa_heads_decoding_step", default=False)
 
 
 def padded_rows(rows: int) -> int:
-    """How many rows to multiply for `rows`: one row as two (MKL runs a one-row product, a gemv, on
-    one thread), more than 8 up to a multiple of 8 (the kernels' fast widths)."""
-    if rows == 1:
-        return 2
+    """How many rows to multiply for `rows`: 1 and 3 rows as 2 and 4 (MKL runs a one-row product, a
+    gemv, on one thread; 3 is slower than 4), more than 8 up to a multiple of 8 (faster kernels)."""
+    if rows <= 4:
+        return rows + rows % 2
     return rows if rows <= 8 else -(-rows // 8) * 8
 
 

@@ -8,7 +8,7 @@ from torch.nn import functional as F
 from medusa_heads import speed
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, 9, speed.SKINNY_ROWS, speed.SKINNY_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 9, speed.SKINNY_ROWS, speed.SKINNY_ROWS + 1])
 def test_linear_routes_match_f_linear(rows):
     torch.manual_seed(0)
     layer = nn.Linear(256, 96)
