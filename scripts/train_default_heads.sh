@@ -15,13 +15,17 @@ MEDUSA=.venv/bin/medusa
 mkdir -p "$WORK"
 [ -f "$DATA/train_prompts.jsonl" ] || { echo "$DATA/train_prompts.jsonl not found: set DATA=" >&2; exit 2; }
 
+# bfloat16 where the CPU computes it natively (AVX512-BF16 / AMX): answers 2.4x faster, training steps
+# 1.6x faster (autocast; the heads still learn from float32 hidden states, in float32 weights)
+dtype=float32 bf16=()
+if grep -qsm1 -e avx512_bf16 -e amx_bf16 /proc/cpuinfo; then dtype=bfloat16 bf16=(--bf16); fi
 time "$MEDUSA" distill --prompts "$DATA/train_prompts.jsonl" --sample 12790 --seed 0 --limit "$PROMPTS" \
-  --out "$WORK/distilled.jsonl" --batch-size 64 --max-new-tokens 256
+  --out "$WORK/distilled.jsonl" --batch-size 64 --max-new-tokens 256 --dtype "$dtype"
 
 resume=()
 [ -d "$WORK/heads/checkpoint" ] && resume=(--resume)
 time "$MEDUSA" train --data "$WORK/distilled.jsonl" --out "$WORK/heads" --num-heads "$HEADS" --num-layers "$LAYERS" \
-  --next-token --projection shared --draft-vocab 8192 --epochs "$EPOCHS" --batch-size 8 --lr 1e-3 "${resume[@]}"
+  --chained --projection shared --draft-vocab 8192 --epochs "$EPOCHS" --batch-size 8 --lr 1e-3 "${bf16[@]}" "${resume[@]}"
 
 time "$MEDUSA" calibrate --heads "$WORK/heads" --prompts "$DATA/train_prompts.jsonl" --exclude "$WORK/distilled.jsonl" \
   --limit 20 --out "$WORK/tree.json"
