@@ -47,11 +47,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear, through the skinny route on a CPU within a decoding step."""
     rows = x.numel() // max(1, x.shape[-1])
     # a compiled graph only ever runs inside decoding steps (and the context variable cannot be traced)
-    in_step = torch.compiler.is_compiling() or _in_step.get()
-    if ENABLED and in_step and x.device.type == "cpu" and 0 < rows <= SKINNY_ROWS:
+    compiling = torch.compiler.is_compiling()
+    if ENABLED and (compiling or _in_step.get()) and x.device.type == "cpu" and 0 < rows <= SKINNY_ROWS:
+        # one compiled graph serves every tree size: padding that depends on the size would recompile
+        padded = padded_rows(rows) if rows == 1 or not compiling else rows
         # row-major in and out: x^T's fast layout for MKL, and what later kernels expect (flash
         # attention wants the queries' last dimension contiguous, else it falls back to the math path)
-        flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, padded_rows(rows) - rows)).contiguous()
+        flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, padded - rows)).contiguous()
         out = (weight @ flat.T)[:, :rows].T.contiguous().reshape(*x.shape[:-1], weight.shape[0])
         return out if bias is None else out + bias
     return F.linear(x, weight, bias)

@@ -197,3 +197,7 @@ def test_compiled_decoding_equals_eager():
         assert out.new_tokens == expected.new_tokens, tree
     solo = model.generate(torch.tensor([prompts[0]]), max_new_tokens=20, tree="reference", eos_token_id=[])
     assert torch.equal(solo.sequences, hf_greedy(model.base_model, torch.tensor([prompts[0]]), 20))
+    with torch.compiler.set_stance("fail_on_recompile"):  # one graph serves every tree size and cache length
+        repeats = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4, 5, 6]])  # lookup drafts of varying lengths
+        for tree in ["default+lookup8", "chain-3", "dense-3x2"]:
+            model.generate(repeats, max_new_tokens=30, tree=tree, eos_token_id=[])
