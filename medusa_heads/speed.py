@@ -8,7 +8,9 @@ some widths take slower kernels: 1 and 3 rows are padded to 2 and 4, above 8 row
 multiple of 8 (2-core AMD EPYC, SmolLM2-135M's linear layers with cold caches, as in decoding:
 1 row 47 -> 24 ms, 3 rows 32 -> 29 ms, 13 rows 97 -> 62 ms, 25 rows 101 -> 89 ms). The decoder's
 linear layers and the heads' draft projection take that route during a decoding step only
-(transformers' own generate is untouched). Set MEDUSA_HEADS_SKINNY_MATMUL=0 to turn it off.
+(transformers' own generate is untouched), in float32 only: bfloat16's F.linear (oneDNN) is already
+fast and flat there (1 row 20.6 ms, 16 rows 25.5 ms, W @ x^T 22.4 and 29.2 ms). Set
+MEDUSA_HEADS_SKINNY_MATMUL=0 to turn it off.
 
 Compiled decoding passes (opt-in: `MedusaModel.compile_decoding()`, `--compile`): the decoder's
 verification passes run through torch.compile, which fuses the many small operations around the
@@ -48,7 +50,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.numel() // max(1, x.shape[-1])
     # a compiled graph only ever runs inside decoding steps (and the context variable cannot be traced)
     compiling = torch.compiler.is_compiling()
-    if ENABLED and (compiling or _in_step.get()) and x.device.type == "cpu" and 0 < rows <= SKINNY_ROWS:
+    skinny = x.device.type == "cpu" and weight.dtype == torch.float32 and 0 < rows <= SKINNY_ROWS
+    if ENABLED and skinny and (compiling or _in_step.get()):
         # one compiled graph serves every tree size: padding that depends on the size would recompile
         padded = padded_rows(rows) if rows == 1 or not compiling else rows
         # row-major in and out: x^T's fast layout for MKL, and what later kernels expect (flash
