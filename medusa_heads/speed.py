@@ -56,7 +56,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         padded = padded_rows(rows) if rows == 1 or not compiling else rows
         # row-major in and out: x^T's fast layout for MKL, and what later kernels expect (flash
         # attention wants the queries' last dimension contiguous, else it falls back to the math path)
-        flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, padded - rows)).contiguous()
+        flat = x.reshape(rows, x.shape[-1])
+        if padded > rows:
+            flat = F.pad(flat, (0, 0, 0, padded - rows))
+        flat = flat.contiguous()
         out = (weight @ flat.T)[:, :rows].T.contiguous().reshape(*x.shape[:-1], weight.shape[0])
         return out if bias is None else out + bias
     return F.linear(x, weight, bias)
