@@ -1,16 +1,13 @@
 """Speed levers of the decoding loop that leave its outputs exact; each can be switched off.
 
-Skinny matmuls: a decoding step runs every linear layer over a few rows (1 to ~64 tree tokens per
-sequence). On a CPU, F.linear over 2-16 rows takes MKL's general kernel, which is 2-4x slower than
-the same product written as W @ x^T (2-core AVX2 machine: lm_head of SmolLM2-135M over 2 rows
-18.8 -> 4.9 ms, over 16 rows 20.3 -> 14.6 ms). One row is a gemv, which MKL runs on one thread, and
-some widths take slower kernels: 1 and 3 rows are padded to 2 and 4, above 8 rows to the next
-multiple of 8 (2-core AMD EPYC, SmolLM2-135M's linear layers with cold caches, as in decoding:
-1 row 47 -> 24 ms, 3 rows 32 -> 29 ms, 13 rows 97 -> 62 ms, 25 rows 101 -> 89 ms). The decoder's
-linear layers and the heads' draft projection take that route during a decoding step only
-(transformers' own generate is untouched), in float32 only: bfloat16's F.linear (oneDNN) is already
-fast and flat there (1 row 20.6 ms, 16 rows 25.5 ms, W @ x^T 22.4 and 29.2 ms). Set
-MEDUSA_HEADS_SKINNY_MATMUL=0 to turn it off.
+Packed weights: a decoding step runs every linear layer over a few rows (1 to ~64 tree tokens per
+sequence). On a CPU, F.linear takes MKL's sgemm, which is slow over few rows and grows fast with
+them; oneDNN's linear over a weight reordered once into its blocked layout is nearly flat (2-core
+AMD EPYC, SmolLM2-135M's 210 linear layers with cold caches, as in decoding: 1 row 41 -> 21 ms,
+8 rows 65 -> 24 ms, 16 rows 76 -> 27 ms, 64 rows 160 -> 56 ms). During a decoding step (transformers'
+own generate is untouched) the decoder's float32 linear layers and the heads' draft projection run
+that way on a CPU. Each packed weight is a second copy of the weight, made at its first use and
+remade when the weight changes. Set MEDUSA_HEADS_PACKED_WEIGHTS=0 to turn it off.
 
 Compiled decoding passes (opt-in: `MedusaModel.compile_decoding()`, `--compile`): the decoder's
 verification passes run through torch.compile, which fuses the many small operations around the
@@ -31,37 +28,43 @@ from functools import partial
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
-SKINNY_ROWS = 64  # up to this many rows, W @ x^T beats F.linear on the CPUs measured
-ENABLED = os.environ.get("MEDUSA_HEADS_SKINNY_MATMUL", "1") != "0"
+ENABLED = os.environ.get("MEDUSA_HEADS_PACKED_WEIGHTS", "1") != "0" and torch.backends.mkldnn.is_available()
 _in_step = ContextVar("medusa_heads_decoding_step", default=False)
+_packed = WeakIdKeyDictionary()  # weight -> (its version when packed, its packed copy)
+_PACKED_FOR_ROWS = 16  # the row count oneDNN picks the packed layout for
 
 
-def padded_rows(rows: int) -> int:
-    """How many rows to multiply for `rows`: 1 and 3 rows as 2 and 4 (MKL runs a one-row product, a
-    gemv, on one thread; 3 is slower than 4), more than 8 up to a multiple of 8 (faster kernels)."""
-    if rows <= 4:
-        return rows + rows % 2
-    return rows if rows <= 8 else -(-rows // 8) * 8
+def packed(weight: torch.Tensor) -> torch.Tensor:
+    """weight in oneDNN's blocked layout for linear products, packed once per version of the weight."""
+    version = (weight.data_ptr(), weight._version)
+    entry = _packed.get(weight)
+    if entry is None or entry[0] != version:
+        entry = _packed[weight] = version, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACKED_FOR_ROWS)
+    return entry[1]
+
+
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's linear over weight's packed copy."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed(weight), bias, "none", [], "")
+
+
+# the same, as one opaque operation to torch.compile (its dispatch costs ~10 us a call: eager calls the function)
+_packed_linear_op = torch.library.custom_op("medusa_heads::packed_linear", _packed_linear, mutates_args=())
+
+
+@_packed_linear_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through the skinny route on a CPU within a decoding step."""
-    rows = x.numel() // max(1, x.shape[-1])
-    # a compiled graph only ever runs inside decoding steps (and the context variable cannot be traced)
-    compiling = torch.compiler.is_compiling()
-    skinny = x.device.type == "cpu" and weight.dtype == torch.float32 and 0 < rows <= SKINNY_ROWS
-    if ENABLED and skinny and (compiling or _in_step.get()):
-        # one compiled graph serves every tree size: padding that depends on the size would recompile
-        padded = padded_rows(rows) if rows == 1 or not compiling else rows
-        # row-major in and out: x^T's fast layout for MKL, and what later kernels expect (flash
-        # attention wants the queries' last dimension contiguous, else it falls back to the math path)
-        flat = x.reshape(rows, x.shape[-1])
-        if padded > rows:
-            flat = F.pad(flat, (0, 0, 0, padded - rows))
-        flat = flat.contiguous()
-        out = (weight @ flat.T)[:, :rows].T.contiguous().reshape(*x.shape[:-1], weight.shape[0])
-        return out if bias is None else out + bias
+    """F.linear, over the packed weight on a CPU within a decoding step (a compiled graph only runs in one)."""
+    compiling = torch.compiler.is_compiling()  # the context variable cannot be traced
+    cpu_float = x.device.type == "cpu" and weight.dtype == torch.float32 == x.dtype
+    if ENABLED and cpu_float and (compiling or _in_step.get()):
+        return (_packed_linear_op if compiling else _packed_linear)(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -70,7 +73,7 @@ def _module_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def install(model: nn.Module) -> None:
-    """Give the model's CPU float linear layers the skinny route (idempotent; no-op when switched off)."""
+    """Give the model's CPU linear layers the packed route (idempotent; no-op when switched off)."""
     if not ENABLED:
         return
     for module in model.modules():
@@ -80,7 +83,7 @@ def install(model: nn.Module) -> None:
 
 @contextmanager
 def decoding_step():
-    """Within this context, installed linear layers over a few rows use W @ x^T."""
+    """Within this context, installed linear layers use packed weights."""
     token = _in_step.set(True)
     try:
         yield
