@@ -4,7 +4,8 @@ pick the tree that maximises expected accepted length per unit of time.
 - accuracies: per head k and rank r, how often the head's rank-r guess is the token it aims at,
   on the model's own greedy answers (`accuracy.head_ranks`).
 - cost curve: c(n) = time of one decoding step that verifies n tree tokens (heads and acceptance
-  included) / time of one plain decoding step, on this device.
+  included) / time of one plain decoding step, on this device, fitted non-decreasing in n (where a
+  flat curve meets timing noise, a bigger pass can measure cheaper than a smaller one).
 - trees: the value of a node is the product, over its path, of the accuracy of head d at rank r
   (the chance that the whole path is right); the best tree of n nodes adds, one at a time, the most
   valuable node whose parent is already in (greedy frontier search). Its expected accepted length
@@ -80,6 +81,18 @@ def interpolate(tokens: list[int], costs: list[float]) -> Callable[[int], float]
         return float(np.interp(n, tokens, costs)) + max(0, n - tokens[-1]) * slope
 
     return cost
+
+
+def nondecreasing(values: list[float]) -> list[float]:
+    """The least-squares non-decreasing fit of values (pool adjacent violators)."""
+    blocks: list[tuple[float, int]] = []  # (mean, count) of runs of pooled values
+    for value in values:
+        mean, count = value, 1
+        while blocks and blocks[-1][0] > mean:
+            previous, n = blocks.pop()
+            mean, count = (previous * n + mean * count) / (n + count), n + count
+        blocks.append((mean, count))
+    return [mean for mean, count in blocks for _ in range(count)]
 
 
 def rank_accuracy(hits: torch.Tensor, counts: torch.Tensor) -> list[list[float]]:
@@ -159,11 +172,13 @@ def calibrate(model, prompts: list[torch.Tensor], max_new_tokens: int = 128, max
     chosen_rows = [(n, *candidates[n]) for n in sizes if n < len(candidates)]
     if not chosen_rows:
         raise ValueError(f"no tree size in {sizes} is possible with at most {len(candidates) - 1} nodes")
-    costs = cost_curve(model, prompts[0], [tree for _, tree, _ in chosen_rows])
-    measured = [(1, 1.0)] + [(n + 1, c) for (n, _, _), c in zip(chosen_rows, costs, strict=True) if n > 0]
-    cost = interpolate(*map(list, zip(*measured, strict=True)))
+    measured = cost_curve(model, prompts[0], [tree for _, tree, _ in chosen_rows])
+    tokens = [1] + [n + 1 for n, _, _ in chosen_rows if n > 0]  # the plain step, then each tree's pass
+    costs = [1.0] + [c for (n, _, _), c in zip(chosen_rows, measured, strict=True) if n > 0]
+    cost = interpolate(tokens, nondecreasing(costs))
     table, best = [], (0.0, None, 0)  # (replayed speed-up, head tree, lookup tokens)
-    for (n, tree, expected), c in zip(chosen_rows, costs, strict=True):
+    for (n, tree, expected), raw in zip(chosen_rows, measured, strict=True):
+        c = cost(n + 1)
         replays = []
         for lookup_tokens in LOOKUPS:
             candidate = tree.with_lookup(lookup_tokens)
@@ -171,7 +186,8 @@ def calibrate(model, prompts: list[torch.Tensor], max_new_tokens: int = 128, max
             speedup = (tokens - len(records)) / spent  # plain decoding spends c = 1 per token after the first
             replays.append({"lookup": lookup_tokens, "accepted_length": tokens / steps, "speedup": speedup})
             best = max(best, (speedup, tree, lookup_tokens), key=lambda b: b[0])
-        table.append({"nodes": n, "expected_accepted_length": expected, "cost": c, "expected_speedup": expected / c,
+        table.append({"nodes": n, "expected_accepted_length": expected, "measured_cost": raw, "cost": c,
+                      "expected_speedup": expected / c,
                       "replay": replays})
     _, tree, lookup_tokens = best
     tree.name = "calibrated"

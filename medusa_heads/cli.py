@@ -294,12 +294,13 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     result = calibrate(model, prompts, args.max_new_tokens, args.max_nodes)
     print(f"head accuracies measured on the greedy answers to {len(prompts)} prompts")
     lookups = "".join(f"{'L=' + str(r['lookup']):>13}" for r in result["table"][0]["replay"])
-    print(f"{'':>5} {'expected':>9} {'':>6} {'expected':>9}   replayed accepted length / speed-up, lookup branch of L")
-    print(f"{'nodes':>5} {'accepted':>9} {'c(n)':>6} {'speed-up':>9}  {lookups}")
+    print(f"{'':>5} {'expected':>9} {'c(n)':>8} {'':>6} {'expected':>9}   "
+          "replayed accepted length / speed-up, lookup branch of L")
+    print(f"{'nodes':>5} {'accepted':>9} {'measured':>8} {'fitted':>6} {'speed-up':>9}  {lookups}")
     for row in result["table"]:
         replays = "".join(f"{r['accepted_length']:>6.2f} /{r['speedup']:>5.2f}" for r in row["replay"])
-        print(f"{row['nodes']:>5} {row['expected_accepted_length']:>9.3f} {row['cost']:>6.3f} "
-              f"{row['expected_speedup']:>9.3f}  {replays}")
+        print(f"{row['nodes']:>5} {row['expected_accepted_length']:>9.3f} {row['measured_cost']:>8.3f} "
+              f"{row['cost']:>6.3f} {row['expected_speedup']:>9.3f}  {replays}")
     tree = result["tree"]
     tree.save(args.out, table=result["table"], accuracy_top_r=result["accuracy_top_r"], device=str(model.device))
     print(f"chose {tree.head_size - 1} head nodes (depth {tree.depth}) and a lookup branch of {tree.lookup}; "

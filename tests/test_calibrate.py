@@ -11,7 +11,16 @@ from conftest import medusa_tiny
 from tiny import tiny_model, tiny_tokenizer
 
 from medusa_heads import Tree
-from medusa_heads.calibrate import LOOKUPS, best_trees, calibrate, interpolate, rank_accuracy, record_steps, replay
+from medusa_heads.calibrate import (
+    LOOKUPS,
+    best_trees,
+    calibrate,
+    interpolate,
+    nondecreasing,
+    rank_accuracy,
+    record_steps,
+    replay,
+)
 
 
 def test_frontier_search_by_hand():
@@ -44,6 +53,12 @@ def test_replay_takes_the_steps_decoding_takes(tree):
 def test_cost_interpolation_extends_the_last_segment():
     cost = interpolate([1, 3, 5], [1.0, 2.0, 2.5])
     assert [cost(n) for n in (1, 2, 3, 4, 5, 7)] == [1.0, 1.5, 2.0, 2.25, 2.5, 3.0]
+
+
+def test_cost_fit_pools_decreasing_runs():
+    assert nondecreasing([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert nondecreasing([1.0, 1.3, 1.2, 1.1, 2.0]) == pytest.approx([1.0, 1.2, 1.2, 1.2, 2.0])
+    assert nondecreasing([2.0, 1.0]) == [1.5, 1.5]
 
 
 @pytest.mark.parametrize("next_token", [False, True])
