@@ -282,7 +282,7 @@ def setup_chat(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
-    from .calibrate import calibrate
+    from .calibrate import TOLERANCE, calibrate
     from .train.distill import read_prompts, record_ids
 
     model = load_model(args)
@@ -291,7 +291,8 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     if not kept:
         raise ValueError(f"{args.prompts}: no prompt left to calibrate on after --exclude")
     prompts = [model.chat_ids(turns[0]) for turns in kept]
-    result = calibrate(model, prompts, args.max_new_tokens, args.max_nodes)
+    result = calibrate(model, prompts, args.max_new_tokens, args.max_nodes,
+                       tolerance=TOLERANCE if args.tolerance is None else args.tolerance)
     print(f"head accuracies measured on the greedy answers to {len(prompts)} prompts")
     lookups = "".join(f"{'L=' + str(r['lookup']):>13}" for r in result["table"][0]["replay"])
     print(f"{'':>5} {'expected':>9} {'c(n)':>8} {'':>6} {'expected':>9}   "
@@ -316,6 +317,9 @@ def setup_calibrate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exclude", action="append", help="JSONL whose records' ids are skipped (the training data)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-nodes", type=int, default=64, help="largest tree considered")
+    p.add_argument("--tolerance", type=float,
+                   help="of the trees whose replayed speed-up is within this fraction of the best, take the one that "
+                        "accepts the most tokens per step (default 0.03; 0: the fastest)")
 
 
 def setup_generate(p: argparse.ArgumentParser) -> None:

@@ -17,6 +17,7 @@ from medusa_heads.calibrate import (
     calibrate,
     interpolate,
     nondecreasing,
+    pick,
     rank_accuracy,
     record_steps,
     replay,
@@ -59,6 +60,13 @@ def test_cost_fit_pools_decreasing_runs():
     assert nondecreasing([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
     assert nondecreasing([1.0, 1.3, 1.2, 1.1, 2.0]) == pytest.approx([1.0, 1.2, 1.2, 1.2, 2.0])
     assert nondecreasing([2.0, 1.0]) == [1.5, 1.5]
+
+
+def test_pick_prefers_accepted_length_within_the_tolerance():
+    options = [(1.50, 2.0, "fastest"), (1.47, 2.4, "close"), (1.30, 3.0, "slow")]
+    assert pick(options, 0.03)[2] == "close"
+    assert pick(options, 0.0)[2] == "fastest"
+    assert pick(options, 0.2)[2] == "slow"
 
 
 @pytest.mark.parametrize("next_token", [False, True])
