@@ -7,7 +7,8 @@ AMD EPYC, SmolLM2-135M's 210 linear layers with cold caches, as in decoding: 1 r
 8 rows 65 -> 24 ms, 16 rows 76 -> 27 ms, 64 rows 160 -> 56 ms). During a decoding step (transformers'
 own generate is untouched) the decoder's float32 linear layers and the heads' draft projection run
 that way on a CPU. Each packed weight is a second copy of the weight, made at its first use and
-remade when the weight changes. Set MEDUSA_HEADS_PACKED_WEIGHTS=0 to turn it off.
+remade when the weight changes; a model whose copies would not fit in half the free memory decodes
+without them. Set MEDUSA_HEADS_PACKED_WEIGHTS=0 to turn it off.
 
 Compiled decoding passes (opt-in: `MedusaModel.compile_decoding()`, `--compile`): the decoder's
 verification passes run through torch.compile, which fuses the many small operations around the
@@ -21,6 +22,7 @@ Prefill stays eager.
 from __future__ import annotations
 
 import os
+import warnings
 from contextlib import contextmanager
 from contextvars import ContextVar
 from functools import partial
@@ -72,13 +74,28 @@ def _module_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, module.weight, module.bias)
 
 
+def _free_memory() -> float:
+    """Bytes of free physical memory (infinite where the system does not say)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return float("inf")
+
+
 def install(model: nn.Module) -> None:
-    """Give the model's CPU linear layers the packed route (idempotent; no-op when switched off)."""
+    """Give the model's CPU linear layers the packed route, if their packed copies fit in half the free
+    memory (idempotent; no-op when switched off)."""
     if not ENABLED:
         return
-    for module in model.modules():
-        if type(module) is nn.Linear and module.weight.device.type == "cpu" and "forward" not in vars(module):
-            module.forward = partial(_module_linear, module)
+    layers = [module for module in model.modules()
+              if type(module) is nn.Linear and module.weight.device.type == "cpu" and "forward" not in vars(module)]
+    needed = sum(layer.weight.nbytes for layer in layers if layer.weight.dtype == torch.float32)
+    if needed > _free_memory() / 2:
+        warnings.warn(f"packed weights would take {needed / 2**30:.1f} GiB, more than half the free memory: "
+                      "decoding without them (slower on a CPU)", stacklevel=2)
+        return
+    for layer in layers:
+        layer.forward = partial(_module_linear, layer)
 
 
 @contextmanager

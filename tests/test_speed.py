@@ -32,3 +32,15 @@ def test_packed_weight_follows_updates():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
         layer.weight = nn.Parameter(torch.randn(16, 32))  # replaced
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
+
+
+@pytest.mark.skipif(not speed.ENABLED, reason="packed weights switched off or oneDNN missing")
+def test_no_packed_route_when_the_copies_do_not_fit(monkeypatch):
+    layer = nn.Linear(32, 16)
+    monkeypatch.setattr(speed, "_free_memory", lambda: layer.weight.nbytes)  # half of it is too little
+    with pytest.warns(UserWarning, match="free memory"):
+        speed.install(layer)
+    assert "forward" not in vars(layer)
+    monkeypatch.setattr(speed, "_free_memory", lambda: 4 * layer.weight.nbytes)
+    speed.install(layer)
+    assert "forward" in vars(layer)
