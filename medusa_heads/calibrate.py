@@ -182,9 +182,9 @@ def calibrate(model, prompts: list[torch.Tensor], max_new_tokens: int = 128, max
     if not chosen_rows:
         raise ValueError(f"no tree size in {sizes} is possible with at most {len(candidates) - 1} nodes")
     measured = cost_curve(model, prompts[0], [tree for _, tree, _ in chosen_rows])
-    tokens = [1] + [n + 1 for n, _, _ in chosen_rows if n > 0]  # the plain step, then each tree's pass
+    widths = [1] + [n + 1 for n, _, _ in chosen_rows if n > 0]  # the plain step, then each tree's pass
     costs = [1.0] + [c for (n, _, _), c in zip(chosen_rows, measured, strict=True) if n > 0]
-    cost = interpolate(tokens, nondecreasing(costs))
+    cost = interpolate(widths, nondecreasing(costs))
     table, options = [], []  # options: (replayed speed-up, accepted length, head tree, lookup tokens)
     for (n, tree, expected), raw in zip(chosen_rows, measured, strict=True):
         c = cost(n + 1)
