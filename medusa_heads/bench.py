@@ -1,10 +1,13 @@
 """Spec-Bench-style benchmark: every method on the same questions, interleaved, outputs checked.
 
 Methods: `hf` (transformers generate, greedy: the reference), `hf-pld` (transformers prompt lookup
-decoding), `plain` (this project's loop without heads), `medusa` (the default tree) and
-`medusa:TREE` (any other tree). Speed-up = method tok/s / hf tok/s, where tok/s is a method's
-total new tokens over its total wall time. Mean accepted length = new tokens / decoding steps
-(forward passes of the base model for the hf methods, prefill included).
+decoding), `plain` (this project's loop without heads), `medusa` (the tree probed for this machine,
+`tree="auto"`), `medusa:TREE` (any other tree) and `llama.cpp:VARIANT` (llama.cpp on the GGUF, as
+given or requantized to F32 / BF16: `medusa_heads.peers`). Speed-up = method tok/s / hf tok/s,
+where tok/s is a method's total new tokens over its total time (wall time; llama.cpp's own prompt +
+generation timings, which leave out its process start and model load). Mean accepted length = new
+tokens / decoding steps (forward passes of the base model for the hf methods, prefill included).
+llama.cpp's outputs (other numerics, often another quantisation) are not compared.
 """
 
 from __future__ import annotations
@@ -55,23 +58,38 @@ def load_questions(path: str | Path, limit: int | None = None, per_category: int
     return questions[:limit] if limit else questions
 
 
+PEER = "llama.cpp"
+
+
 class Method:
-    """One way to answer: returns (new tokens, decoding steps) for a prompt."""
+    """One way to answer: returns (new tokens, decoding steps, ...) for a prompt."""
 
-    def __init__(self, name: str, model):
+    def __init__(self, name: str, model, llama_cpp: str | Path | None = None, gguf: str | Path | None = None):
         self.name, self.model = name, model
-        kind, _, tree = name.partition(":")
-        if kind not in ("hf", "hf-pld", "plain", "medusa"):
-            raise ValueError(f"unknown method {name!r}: use hf, hf-pld, plain, medusa or medusa:TREE")
+        kind, _, option = name.partition(":")
+        if kind not in ("hf", "hf-pld", "plain", "medusa", PEER):
+            raise ValueError(f"unknown method {name!r}: use hf, hf-pld, plain, medusa, medusa:TREE or "
+                             f"{PEER}:VARIANT")
         self.kind = kind
-        self.tree = "plain" if kind == "plain" else (tree or None)
+        self.tree = "plain" if kind == "plain" else (option or "auto")
+        self.peer = None
+        if kind == PEER:
+            from .peers import LlamaCpp
 
-    def run(self, ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], int, list[int]]:
-        """New tokens, decoding steps, and tokens emitted per step (empty where unknown)."""
+            if not (llama_cpp and gguf):
+                raise ValueError(f"method {name!r} needs the llama.cpp binaries (--llama-cpp DIR) and a GGUF (--gguf)")
+            self.peer = LlamaCpp(llama_cpp, gguf, option or "gguf", model.require_tokenizer())
+
+    def run(self, ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], int, list[int], float | None]:
+        """New tokens, decoding steps, tokens emitted per step (empty where unknown), and the seconds
+        the method measured itself (None: time it from outside)."""
+        if self.peer is not None:
+            tokens, seconds = self.peer.run(ids, max_new_tokens)
+            return tokens, len(tokens), [], seconds
         if self.kind.startswith("hf"):
-            return self._run_hf(ids, max_new_tokens)
+            return (*self._run_hf(ids, max_new_tokens), None)
         out = generate(self.model, ids, max_new_tokens=max_new_tokens, tree=self.tree)
-        return out.new_tokens[0], out.steps, out.accept_lengths[0]
+        return out.new_tokens[0], out.steps, out.accept_lengths[0], None
 
     def _run_hf(self, ids, max_new_tokens):
         base = self.model.base_model
@@ -107,8 +125,8 @@ def run_bench(model, questions: list[dict], methods: list[str | Method], max_new
                 times = []
                 for _ in range(repeats):
                     start = time.perf_counter()
-                    tokens, steps, accept_lengths = runner.run(ids, max_new_tokens)
-                    times.append(time.perf_counter() - start)
+                    tokens, steps, accept_lengths, own = runner.run(ids, max_new_tokens)
+                    times.append(own if own is not None else time.perf_counter() - start)
                 seconds = statistics.median(times)
                 history.append({"role": "assistant", "content": model.tokenizer.decode(tokens,
                                                                                        skip_special_tokens=True)})
@@ -149,7 +167,8 @@ def summarize(records: list[dict], reference: str = REFERENCE) -> dict:
     mismatches = [{"method": r["method"], "question_id": r["question_id"], "turn": r["turn"],
                    "first_difference": first_difference(r["tokens"], outputs[(r["question_id"], r["turn"])])}
                   for r in records
-                  if r["method"] != reference and (r["question_id"], r["turn"]) in outputs
+                  if r["method"] != reference and not r["method"].startswith(PEER)
+                  and (r["question_id"], r["turn"]) in outputs
                   and r["tokens"] != outputs[(r["question_id"], r["turn"])]]
     return {"methods": dict(summary), "mismatches": mismatches, "reference": reference}
 
@@ -160,8 +179,12 @@ def first_difference(a: list[int], b: list[int]) -> int:
 
 
 def environment(model) -> dict:
-    return {"machine": platform.machine(), "processor": platform.processor(), "platform": platform.platform(),
-            "cpus": torch.get_num_threads(), "device": str(model.device),
+    from .tuning import machine
+
+    described = machine(model)
+    return {"machine": platform.machine(), "processor": described["gpu"] or described["cpu"], "isa": described["isa"],
+            "platform": platform.platform(), "cpus": torch.get_num_threads(), "device": str(model.device),
+            "tuning": model.tuning.summary() if model.tuning else None,
             "cuda": torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None,
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "model": Path(model.base_name).name,
@@ -186,7 +209,8 @@ def report_markdown(result: dict) -> str:
     lines = [f"# Benchmark: {env['model']}", "",
              f"{settings['questions']} questions, {settings['max_new_tokens']} new tokens max, greedy, batch 1, "
              f"median of {settings['repeats']}; {env['device']} ({env['cpus']} threads, {machine}), "
-             f"torch {env['torch']}, transformers {env['transformers']}.", "",
+             f"torch {env['torch']}, transformers {env['transformers']}, {env['dtype']}; ISA: "
+             f"{' '.join(env.get('isa') or []) or '-'}.", "", f"Tuning: {env.get('tuning') or 'off'}", "",
              f"| method | tok/s | speed-up vs {reference} | mean accepted length | new tokens |",
              "| --- | ---: | ---: | ---: | ---: |"]
     for m in methods:
@@ -257,12 +281,10 @@ def plot(result: dict, out: Path) -> None:
         plt.close(fig)
 
 
-def bench(model, questions_file: str | Path, methods: list[str | Method], out: str | Path, max_new_tokens: int = 256,
-          limit: int | None = None, repeats: int = 1, max_turns: int | None = None,
-          per_category: int | None = None) -> dict:
+def bench(model, questions: list[dict], methods: list[str | Method], out: str | Path, max_new_tokens: int = 256,
+          repeats: int = 1, max_turns: int | None = None) -> dict:
     """The whole benchmark: run, summarise, measure head accuracy on the reference answers, write the report."""
     model.require_tokenizer()
-    questions = load_questions(questions_file, limit, per_category)
     runners = [m if isinstance(m, Method) else Method(m, model) for m in methods]  # bad names fail before any work
     names = [r.name for r in runners]
     reference = REFERENCE if REFERENCE in names else names[0]

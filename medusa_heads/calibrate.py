@@ -16,14 +16,22 @@ pick the tree that maximises expected accepted length per unit of time.
   cost of each step is c at the number of tokens it verifies. Of the trees and L whose replayed
   speed-up is within `tolerance` of the highest, the one that accepts the most tokens per step is
   chosen: speed-ups closer than that are within timing noise, accepted lengths are exact.
+
+What the heads do on the answers (accuracies and per-step ranks and drafts: a `Record`) does not
+depend on the machine; only the cost curve does. So `medusa calibrate` saves the record with the
+heads (replay.json), and a new machine measures only its cost curve to choose its own tree
+(`choose`, called by `medusa_heads.tuning`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -44,6 +52,30 @@ class Steps:
 
     ranks: list[tuple[int, ...]]  # where each head ranked its target (`accuracy.head_ranks`)
     drafts: list[tuple[int, int]]  # the prompt-lookup draft (of max(LOOKUPS) tokens): (tokens, right ones)
+
+
+@dataclass
+class Record:
+    """What some heads do on the model's greedy answers to a set of prompts, on any machine."""
+
+    accuracy_top_r: list[list[float]]  # per head, top-1..r accuracy (cumulative over ranks)
+    targets: list[int]  # per head, the steps that had a target
+    answers: list[Steps]  # the replay record of each answer
+    max_new_tokens: int
+
+    FILE = "replay.json"  # its name in a heads folder
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), separators=(",", ":")) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Record:
+        data = json.loads(Path(path).read_text())
+        answers = [Steps([tuple(r) for r in a["ranks"]], [tuple(d) for d in a["drafts"]]) for a in data["answers"]]
+        return cls(data["accuracy_top_r"], data["targets"], answers, data["max_new_tokens"])
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self)).encode()).hexdigest()[:16]
 
 
 def record_steps(model, sequence: torch.Tensor, start: int, max_rank: int) -> tuple[Steps, torch.Tensor]:
@@ -97,9 +129,9 @@ def nondecreasing(values: list[float]) -> list[float]:
     return [mean for mean, count in blocks for _ in range(count)]
 
 
-def rank_accuracy(hits: torch.Tensor, counts: torch.Tensor) -> list[list[float]]:
-    """Probability that head k's rank-r guess is right: differences of the cumulative top-r hits."""
-    cumulative = torch.tensor(accuracy_table(hits, counts), dtype=torch.float64)
+def rank_accuracy(accuracy_top_r: list[list[float]]) -> list[list[float]]:
+    """Probability that head k's rank-r guess is right: differences of the cumulative top-r accuracies."""
+    cumulative = torch.tensor(accuracy_top_r, dtype=torch.float64)
     first = cumulative[:, :1]
     return torch.cat([first, cumulative[:, 1:] - cumulative[:, :-1]], dim=1).tolist()
 
@@ -124,15 +156,16 @@ def best_trees(accuracy: list[list[float]], max_nodes: int) -> list[tuple[Tree, 
 
 
 @torch.inference_mode()
-def record_answers(model, prompts: list[torch.Tensor], max_new_tokens: int, max_rank: int = 10):
-    """The replay record of the model's greedy answer to each prompt, and all head ranks side by side."""
-    records, ranks = [], []
+def record_answers(model, prompts: list[torch.Tensor], max_new_tokens: int, max_rank: int = 10) -> Record:
+    """The replay record of the model's greedy answer to each prompt, with the heads' accuracies over all."""
+    answers, ranks = [], []
     for ids in prompts:
         out = model.generate(ids, max_new_tokens=max_new_tokens, tree="plain")
         steps, r = record_steps(model, out.sequences[0].to(model.device), start=ids.shape[1], max_rank=max_rank)
-        records.append(steps)
+        answers.append(steps)
         ranks.append(r)
-    return records, torch.cat(ranks, dim=1)
+    hits, counts = rank_hits(torch.cat(ranks, dim=1), max_rank)
+    return Record(accuracy_table(hits, counts), counts.tolist(), answers, max_new_tokens)
 
 
 def step_time(model, ids: torch.Tensor, tree: Tree, steps: int = 8) -> float:
@@ -150,7 +183,8 @@ def step_time(model, ids: torch.Tensor, tree: Tree, steps: int = 8) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def cost_curve(model, ids: torch.Tensor, trees: list[Tree], steps: int = 8, rounds: int = 5) -> list[float]:
+def cost_curve(model, ids: torch.Tensor, trees: list[Tree], steps: int = 8, rounds: int = 5,
+               progress: Callable[[], None] | None = None) -> list[float]:
     """c(n) for each tree relative to a plain decoding step: rounds interleave every tree and plain
     decoding so that drift hits all alike; the median over rounds is kept."""
     plain = Tree([], name="plain")
@@ -158,6 +192,8 @@ def cost_curve(model, ids: torch.Tensor, trees: list[Tree], steps: int = 8, roun
     for _ in range(rounds):
         for i, tree in enumerate([plain, *trees]):
             times[i].append(step_time(model, ids, tree, steps))
+            if progress:
+                progress()
     medians = [sorted(t)[len(t) // 2] for t in times]
     return [m / medians[0] for m in medians[1:]]
 
@@ -169,35 +205,49 @@ def pick(options: list[tuple], tolerance: float) -> tuple:
     return max((option for option in options if option[0] >= (1 - tolerance) * fastest), key=lambda o: o[1])
 
 
-def calibrate(model, prompts: list[torch.Tensor], max_new_tokens: int = 128, max_nodes: int = 64,
-              sizes: list[int] | None = None, max_rank: int = 10, tolerance: float = TOLERANCE) -> dict:
-    """Measure, search, replay and pick: returns the table and the chosen tree."""
-    records, ranks = record_answers(model, prompts, max_new_tokens, max_rank)
-    hits, counts = rank_hits(ranks, max_rank)
-    accuracy = rank_accuracy(hits, counts)
-    candidates = best_trees(accuracy, max_nodes)
+SIZES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # head nodes of the trees whose cost is measured
+
+
+def choose(model, record: Record, ids: torch.Tensor, max_nodes: int = 64, sizes: list[int] | None = None,
+           tolerance: float = TOLERANCE, steps: int = 8, rounds: int = 5,
+           progress: Callable[[], None] | None = None) -> dict:
+    """This device's tree for these heads: the best tree of each size from the record's accuracies,
+    the cost of each measured here (decoding steps from prompt ids), every (tree, lookup) replayed
+    over the record's answers, and the pick. Returns the chosen tree, the table and the cost curve."""
+    candidates = best_trees(rank_accuracy(record.accuracy_top_r), max_nodes)
     # n = 0 is plain decoding (c = 1): chosen when no tree pays for itself, e.g. with untrained heads
-    sizes = sizes or sorted({n for n in (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if n <= max_nodes} | {max_nodes})
+    sizes = sizes or sorted({n for n in SIZES if n <= max_nodes} | {max_nodes})
     chosen_rows = [(n, *candidates[n]) for n in sizes if n < len(candidates)]
     if not chosen_rows:
         raise ValueError(f"no tree size in {sizes} is possible with at most {len(candidates) - 1} nodes")
-    measured = cost_curve(model, prompts[0], [tree for _, tree, _ in chosen_rows])
+    measured = cost_curve(model, ids, [tree for _, tree, _ in chosen_rows], steps, rounds, progress)
     widths = [1] + [n + 1 for n, _, _ in chosen_rows if n > 0]  # the plain step, then each tree's pass
     costs = [1.0] + [c for (n, _, _), c in zip(chosen_rows, measured, strict=True) if n > 0]
-    cost = interpolate(widths, nondecreasing(costs))
+    fitted = nondecreasing(costs)
+    cost = interpolate(widths, fitted)
     table, options = [], []  # options: (replayed speed-up, accepted length, head tree, lookup tokens)
     for (n, tree, expected), raw in zip(chosen_rows, measured, strict=True):
         c = cost(n + 1)
         replays = []
         for lookup_tokens in LOOKUPS:
             candidate = tree.with_lookup(lookup_tokens)
-            tokens, steps, spent = map(sum, zip(*(replay(r, candidate, cost) for r in records), strict=True))
-            speedup = (tokens - len(records)) / spent  # plain decoding spends c = 1 per token after the first
-            replays.append({"lookup": lookup_tokens, "accepted_length": tokens / steps, "speedup": speedup})
-            options.append((speedup, tokens / steps, tree, lookup_tokens))
+            tokens, count, spent = map(sum, zip(*(replay(r, candidate, cost) for r in record.answers), strict=True))
+            speedup = (tokens - len(record.answers)) / spent  # plain decoding spends c = 1 per token after the first
+            replays.append({"lookup": lookup_tokens, "accepted_length": tokens / count, "speedup": speedup})
+            options.append((speedup, tokens / count, tree, lookup_tokens))
         table.append({"nodes": n, "expected_accepted_length": expected, "measured_cost": raw, "cost": c,
                       "expected_speedup": expected / c, "replay": replays})
     _, _, tree, lookup_tokens = pick(options, tolerance)
-    tree.name = "calibrated"
-    tree = tree.with_lookup(lookup_tokens)
-    return {"tree": tree, "table": table, "accuracy_top_r": accuracy_table(hits, counts), "targets": counts.tolist()}
+    tree = Tree([list(p) for p in tree.paths], name="calibrated").with_lookup(lookup_tokens)
+    return {"tree": tree, "table": table, "cost_curve": {"tokens": widths, "cost": fitted}}
+
+
+def calibrate(model, prompts: list[torch.Tensor], max_new_tokens: int = 128, max_nodes: int = 64,
+              sizes: list[int] | None = None, max_rank: int = 10, tolerance: float = TOLERANCE) -> dict:
+    """Record the heads on the prompts' answers, then choose this device's tree: `choose`'s result and the
+    record (which the model carries from then on)."""
+    model.record = None  # (while it changes, decoders probe only the kernel routes: see medusa_heads.tuning)
+    record = record_answers(model, prompts, max_new_tokens, max_rank)
+    result = choose(model, record, prompts[0], max_nodes, sizes, tolerance)
+    model.record = record
+    return {**result, "record": record}

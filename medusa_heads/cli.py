@@ -32,10 +32,20 @@ def load_model(args: argparse.Namespace, **kwargs):
     hf = {} if args.dtype == "auto" else {"dtype": getattr(torch, args.dtype)}
     kwargs.setdefault("projection", "shared")  # fresh heads only: an own copy of lm_head would change nothing
     model = MedusaModel.from_pretrained(args.base, heads=args.heads, **hf, **kwargs).to(device)
-    if not getattr(args, "compile", False):
-        return model
-    print("--compile: the first decoding passes compile (minutes on a small CPU, faster once cached)", file=sys.stderr)
-    return model.compile_decoding()
+    if getattr(args, "compile", False):
+        print("--compile: the first decoding passes compile (minutes on a small CPU, faster once cached)",
+              file=sys.stderr)
+        model.compile_decoding()
+    return model
+
+
+def report_tuning(model, refresh: bool = False) -> None:
+    """Probe this machine now (or read the cached probe) and say what was chosen, on stderr."""
+    from .tuning import tuning
+
+    tuned = tuning(model, refresh)
+    print(tuned.summary() if tuned else "tuning off (MEDUSA_HEADS_TUNE=0): shipped tree, unprobed kernel routes",
+          file=sys.stderr, flush=True)
 
 
 def add_compile_arg(parser: argparse.ArgumentParser) -> None:
@@ -48,8 +58,9 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.7, help="for typical / exact (default: 0.7)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--tree", help="tree preset (default, reference, chain-D, dense-WxD, plain) or JSON file; "
-                        "append +lookupL for a prompt-lookup branch of L tokens (+lookup0 drops it)")
+    parser.add_argument("--tree", default="auto", help="auto (default: the tree probed fastest on this machine), a "
+                        "preset (default, reference, chain-D, dense-WxD, plain) or a JSON file; append +lookupL for a "
+                        "prompt-lookup branch of L tokens (+lookup0 drops it)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--seed", type=int, default=None)
 
@@ -62,9 +73,11 @@ def decoding_kwargs(args: argparse.Namespace) -> dict:
 def cmd_generate(args: argparse.Namespace) -> None:
     from .tree import Tree
 
-    if args.tree:
+    if args.tree != "auto":
         Tree.load(args.tree)  # a bad tree fails before the model loads
     model = load_model(args)
+    if args.tree == "auto":
+        report_tuning(model)
     if args.raw:
         ids = model.require_tokenizer()(args.prompt, return_tensors="pt")["input_ids"].to(model.device)
     else:
@@ -88,16 +101,36 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_demo(args: argparse.Namespace) -> None:
     from .demo import run_demo
 
-    run_demo(load_model(args), DEMO_PROMPTS, args.max_new_tokens)
+    model = load_model(args)
+    report_tuning(model)
+    run_demo(model, DEMO_PROMPTS, args.max_new_tokens)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from .bench import bench
+    from .bench import Method, bench, load_questions
 
+    if args.suite:
+        from .suite import suite_questions
+        from .train.distill import record_ids
+
+        if not args.prompts:
+            raise ValueError("--suite draws its task types from a prompts file: give --prompts (and --exclude the "
+                             "heads' training data)")
+        seen = set().union(*(record_ids(path) for path in args.exclude or []))
+        questions = suite_questions(args.prompts, args.questions, args.per_category or 2, seen)[: args.limit]
+    elif args.questions:
+        questions = load_questions(args.questions, args.limit, args.per_category)
+    else:
+        raise ValueError("give --questions (Spec-Bench JSONL) or --suite with --prompts")
     model = load_model(args)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    result = bench(model, args.questions, methods, args.out, args.max_new_tokens, args.limit, args.repeats,
-                   args.max_turns, args.per_category)
+    report_tuning(model)
+    gguf = args.gguf
+    if gguf is None and args.llama_cpp and args.base is None:
+        from .default import gguf_path
+
+        gguf = gguf_path()  # the embedded default's own file
+    methods = [Method(m.strip(), model, args.llama_cpp, gguf) for m in args.methods.split(",") if m.strip()]
+    result = bench(model, questions, methods, args.out, args.max_new_tokens, args.repeats, args.max_turns)
     print((Path(args.out) / "report.md").read_text())
     if result["summary"]["mismatches"]:
         print(f"{len(result['summary']['mismatches'])} outputs differ from the reference: see report.md")
@@ -107,6 +140,7 @@ def cmd_bench_load(args: argparse.Namespace) -> None:
     from .bench import load_bench, load_markdown, load_questions
 
     model = load_model(args)
+    report_tuning(model)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     result = load_bench(model, load_questions(args.questions, args.limit), sizes, args.max_new_tokens, args.tree)
     out = Path(args.out)
@@ -123,16 +157,25 @@ def setup_bench_load(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default="1,2,4,8")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--limit", type=int, default=None, help="first Q questions only")
-    p.add_argument("--tree", help="tree for Medusa (default: the default tree)")
+    p.add_argument("--tree", default="auto", help="tree for Medusa (default: auto, probed on this machine)")
     p.add_argument("--out", required=True, help="folder for load.json and load.md")
 
 
 def setup_bench(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--questions", required=True, help="Spec-Bench JSONL (question_id, category, turns)")
+    p.add_argument("--questions", help="Spec-Bench JSONL (question_id, category, turns); with --suite: MT-bench")
+    p.add_argument("--suite", action="store_true",
+                   help="task types the heads never saw, one row each (translation, summarization, passage-qa, math, "
+                        "code, from --prompts minus --exclude) plus MT-bench (--questions); --per-category each")
+    p.add_argument("--prompts", help="--suite: prompts JSONL with categories (../shared/data/train_prompts.jsonl)")
+    p.add_argument("--exclude", action="append", help="--suite: JSONL whose records' ids are skipped (training data)")
     add_model_args(p)
     add_compile_arg(p)
     p.add_argument("--methods", default="hf,hf-pld,plain,medusa",
-                   help="comma-separated: hf, hf-pld, plain, medusa, medusa:TREE (default: %(default)s)")
+                   help="comma-separated: hf, hf-pld, plain, medusa (tree auto), medusa:TREE, llama.cpp:gguf, "
+                        "llama.cpp:F32, llama.cpp:BF16 (default: %(default)s)")
+    p.add_argument("--llama-cpp", help="folder of llama.cpp's binaries, for llama.cpp methods "
+                   "(../shared/tools/build-llama-cpp prints it)")
+    p.add_argument("--gguf", help="GGUF file for llama.cpp methods (default: the embedded default's Q4_1 file)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--limit", type=int, default=None, help="first Q questions only")
     p.add_argument("--per-category", type=int, default=None, help="first N questions of each category only")
@@ -251,8 +294,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     from .serve.app import create_app
 
-    app = create_app(load_model(args), args.max_concurrency, args.max_queue, args.max_new_tokens_limit, args.tree)
-    print(f"serving on http://{args.host}:{args.port}/v1", flush=True)
+    model = load_model(args)
+    if args.tree == "auto":
+        report_tuning(model)
+    app = create_app(model, args.max_concurrency, args.max_queue, args.max_new_tokens_limit, args.tree)
+    print(f"serving on http://{args.host}:{args.port}/v1 with tree {app.state.engine.tree}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 
@@ -264,15 +310,18 @@ def setup_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=4, help="requests decoded at once")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait; beyond that: 429")
     p.add_argument("--max-new-tokens-limit", type=int, default=2048, help="largest max_tokens accepted")
-    p.add_argument("--tree", help="tree preset or JSON file, e.g. from `medusa calibrate` (default: default)")
+    p.add_argument("--tree", default="auto",
+                   help="auto (default: probed on this machine), a tree preset or a JSON file (`medusa calibrate`)")
     p.add_argument("--log-level", default="warning")
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
     from .chat import run_chat
 
-    kwargs = decoding_kwargs(args)
-    run_chat(load_model(args), kwargs)
+    model = load_model(args)
+    if args.tree == "auto":
+        report_tuning(model)
+    run_chat(model, decoding_kwargs(args))
 
 
 def setup_chat(p: argparse.ArgumentParser) -> None:
@@ -282,6 +331,11 @@ def setup_chat(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
+    if args.probe:
+        report_tuning(load_model(args), refresh=True)
+        return
+    if not (args.prompts and args.out):
+        raise ValueError("give --prompts and --out to calibrate the heads, or --probe to probe this machine again")
     from .calibrate import TOLERANCE, calibrate
     from .train.distill import read_prompts, record_ids
 
@@ -302,17 +356,24 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         replays = "".join(f"{r['accepted_length']:>6.2f} /{r['speedup']:>5.2f}" for r in row["replay"])
         print(f"{row['nodes']:>5} {row['expected_accepted_length']:>9.3f} {row['measured_cost']:>8.3f} "
               f"{row['cost']:>6.3f} {row['expected_speedup']:>9.3f}  {replays}")
-    tree = result["tree"]
-    tree.save(args.out, table=result["table"], accuracy_top_r=result["accuracy_top_r"], device=str(model.device))
+    tree, record = result["tree"], result["record"]
+    tree.save(args.out, table=result["table"], accuracy_top_r=record.accuracy_top_r, device=str(model.device))
     print(f"chose {tree.head_size - 1} head nodes (depth {tree.depth}) and a lookup branch of {tree.lookup}; "
           f"tree written to {args.out}")
+    record_file = args.record or (Path(args.heads) / record.FILE if args.heads else None)
+    if record_file:
+        record.save(record_file)
+        print(f"replay record written to {record_file}: tree=auto chooses from it on any machine")
 
 
 def setup_calibrate(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     add_compile_arg(p)
-    p.add_argument("--prompts", required=True, help='JSONL of {"turns": [...]} or ShareGPT; first turns are used')
-    p.add_argument("--out", required=True, help="tree JSON to write")
+    p.add_argument("--probe", action="store_true",
+                   help="only probe this machine again (kernel routes, cost curve, the auto tree) and cache it")
+    p.add_argument("--prompts", help='JSONL of {"turns": [...]} or ShareGPT; first turns are used')
+    p.add_argument("--out", help="tree JSON to write")
+    p.add_argument("--record", help="where to write the heads' replay record (default: HEADS/replay.json with --heads)")
     p.add_argument("--limit", type=int, default=20, help="prompts to answer for the accuracies (default 20)")
     p.add_argument("--exclude", action="append", help="JSONL whose records' ids are skipped (the training data)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -343,8 +404,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "bench": ("Spec-Bench-style benchmark of Medusa against the peers", setup_bench, cmd_bench),
     "distill": ("self-distillation: the model answers prompts itself (resumable)", setup_distill, cmd_distill),
     "train": ("train heads: Medusa-1 (frozen backbone) or Medusa-2 (LoRA backbone)", setup_train, cmd_train),
-    "calibrate": ("measure head accuracy and this device's cost curve; write the best tree", setup_calibrate,
-                  cmd_calibrate),
+    "calibrate": ("record head accuracy, measure this device's cost curve, write the best tree (--probe: "
+                  "probe this machine again)", setup_calibrate, cmd_calibrate),
     "export": ("write heads for vLLM, TGI or the original Medusa code", setup_export, cmd_export),
     "chat": ("chat in the terminal, streaming, with speed statistics", setup_chat, cmd_chat),
     "serve": ("OpenAI-compatible HTTP server (chat, completions, streaming)", setup_serve, cmd_serve),

@@ -68,8 +68,12 @@ class Decoder:
         if tree.size > 1:
             heads = model.heads.config
             tree.check(heads.num_heads, heads.draft_vocab or heads.vocab_size)
+        from .tuning import tuning  # (it decodes to measure)
+
         self.model, self.tree, self.device = model, tree, model.device
         speed.install(model)
+        tuned = tuning(model)
+        self.routes = tuned.routes if tuned else None  # the kernel route of each product, as probed here
         tree_buffers = (tree.depths, tree.parents, tree.retrieve, tree.mask)
         self.depths, self.parents, self.retrieve, self.tree_mask = (t.to(self.device) for t in tree_buffers)
         self.levels = tree.levels(self.device)
@@ -126,7 +130,7 @@ class Decoder:
 
     def step(self) -> None:
         """Prefill the rows that joined, or else advance every active row by one verification pass."""
-        with speed.decoding_step():
+        with speed.decoding_step(self.routes):
             if self.pending:
                 self._prefill()
             else:
@@ -308,7 +312,7 @@ def generate(
     acceptance: str = "greedy",
     temperature: float = 1.0,
     top_p: float = 1.0,
-    tree: str | Tree | list | None = None,
+    tree: str | Tree | list | None = "auto",
     stop: str | list[str] | None = None,
     eos_token_id: int | list[int] | None = None,
     seed: int | None = None,
@@ -320,8 +324,9 @@ def generate(
     input_ids: (B, T); with B > 1 give attention_mask (left or right padding both work).
     acceptance: "greedy" (identical to plain greedy decoding), "exact" (samples exactly as the base
     model at this temperature / top_p) or "typical" (the paper's typical acceptance, epsilon/delta).
-    tree: a Tree, a preset name ("default", "reference", "chain-3", "dense-2x3", "plain"), a JSON file
-    or a list of paths; None picks the default tree (or the deepest chain the heads allow).
+    tree: "auto" (None: the same) picks the tree probed fastest on this machine for these heads
+    (`medusa_heads.tuning`); or a Tree, a preset name ("default", "reference", "chain-3", "dense-2x3",
+    "plain"), a JSON file or a list of paths.
     stop: strings that end generation; eos_token_id: defaults to the model's.
     """
     decoder = make_decoder(model, input_ids, attention_mask, max_new_tokens, acceptance, temperature, top_p, tree, stop,
@@ -365,7 +370,7 @@ def stream(model, input_ids: torch.Tensor, **kwargs) -> Iterator[str]:
 
 
 def make_decoder(model, input_ids, attention_mask, max_new_tokens=256, acceptance="greedy", temperature=1.0, top_p=1.0,
-             tree=None, stop=None, eos_token_id=None, seed=None, epsilon=0.09, delta=0.3) -> Decoder:
+             tree="auto", stop=None, eos_token_id=None, seed=None, epsilon=0.09, delta=0.3) -> Decoder:
     decoder = Decoder(model, resolve_tree(model, tree))
     decoder.add(input_ids, attention_mask, max_new_tokens, Sampling(acceptance, temperature, top_p, epsilon, delta),
                 eos_token_id, stop, seed)
@@ -373,9 +378,15 @@ def make_decoder(model, input_ids, attention_mask, max_new_tokens=256, acceptanc
 
 
 def resolve_tree(model, tree) -> Tree:
-    """The tree to use: the given one, else the default preset when the heads are deep enough."""
-    if tree is not None:
+    """The tree to use: the given one; for "auto" (or None) the one probed on this machine, else (no
+    probe, or heads without a replay record) the default preset when the heads are deep enough."""
+    from .tuning import tuning
+
+    if tree is not None and tree != "auto":
         return Tree.load(tree)
+    tuned = tuning(model)
+    if tuned is not None and tuned.tree is not None:
+        return tuned.tree
     default = Tree.load("default")
     return default if default.depth <= model.heads.config.num_heads else Tree.chain(model.heads.config.num_heads)
 

@@ -12,6 +12,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from . import adapter, default, speed
+from .calibrate import Record
 from .heads import HeadsConfig, MedusaHeads
 from .io import load_heads, save_heads
 
@@ -21,10 +22,12 @@ class MedusaModel(nn.Module):
 
     Attributes: `base_model` (the Hugging Face model, untouched), `heads` (MedusaHeads),
     `tokenizer` (or None), `config` (the base model's config), `compiled_decoder` (None unless
-    `compile_decoding()` was called).
+    `compile_decoding()` was called), `record` (the heads' replay record, from which each machine
+    chooses its tree, or None), `tuning` (what the probe chose here, once decoding has begun).
     """
 
-    def __init__(self, base_model: PreTrainedModel, heads: MedusaHeads, tokenizer: Any = None):
+    def __init__(self, base_model: PreTrainedModel, heads: MedusaHeads, tokenizer: Any = None,
+                 record: Record | None = None):
         super().__init__()
         adapter.check_supported(base_model)
         self.base_model = base_model
@@ -32,6 +35,8 @@ class MedusaModel(nn.Module):
         self.tokenizer = tokenizer
         self.config = base_model.config
         self.compiled_decoder = None
+        self.record = record
+        self.tuning = None
 
     @classmethod
     def from_pretrained(
@@ -65,6 +70,7 @@ class MedusaModel(nn.Module):
             base_model = PeftModel.from_pretrained(base_model, Path(heads) / "adapter").merge_and_unload()
         tokenizer = tokenizer if tokenizer is not None else tok
         lm_head = adapter.lm_head(base_model)
+        record = None
         if heads is None:
             vocab, hidden = lm_head.weight.shape
             config = HeadsConfig(num_heads, num_layers, projection, hidden, vocab, draft_vocab, next_token, chained)
@@ -72,7 +78,9 @@ class MedusaModel(nn.Module):
         else:
             medusa_heads = load_heads(heads, lm_head)
             _warn_other_base(heads, base_model)
-        return cls(base_model.eval(), medusa_heads.eval(), tokenizer)
+            if (Path(heads) / Record.FILE).exists():
+                record = Record.load(Path(heads) / Record.FILE)
+        return cls(base_model.eval(), medusa_heads.eval(), tokenizer, record)
 
     def compile_decoding(self) -> MedusaModel:
         """Run decoding passes through torch.compile from now on (see `medusa_heads.speed`): faster
@@ -81,8 +89,11 @@ class MedusaModel(nn.Module):
         return self
 
     def save_pretrained(self, directory: str | Path, **extra: Any) -> Path:
-        """Save the heads (not the base model) as a native heads folder."""
-        return save_heads(self.heads, directory, base_model=self.base_name, **extra)
+        """Save the heads (not the base model) as a native heads folder, with their replay record if any."""
+        path = save_heads(self.heads, directory, base_model=self.base_name, **extra)
+        if self.record is not None:
+            self.record.save(path / Record.FILE)
+        return path
 
     @property
     def base_name(self) -> str:

@@ -1,14 +1,17 @@
 """Speed levers of the decoding loop that leave its outputs exact; each can be switched off.
 
-Packed weights: a decoding step runs every linear layer over a few rows (1 to ~64 tree tokens per
-sequence). On a CPU, F.linear takes MKL's sgemm, which is slow over few rows and grows fast with
-them; oneDNN's linear over a weight reordered once into its blocked layout is nearly flat (2-core
-AMD EPYC, SmolLM2-135M's 210 linear layers with cold caches, as in decoding: 1 row 41 -> 21 ms,
-8 rows 65 -> 24 ms, 16 rows 76 -> 27 ms, 64 rows 160 -> 56 ms). During a decoding step (transformers'
-own generate is untouched) the decoder's float32 linear layers and the heads' draft projection run
-that way on a CPU. Each packed weight is a second copy of the weight, made at its first use and
-remade when the weight changes; a model whose copies would not fit in half the free memory decodes
-without them. Set MEDUSA_HEADS_PACKED_WEIGHTS=0 to turn it off.
+Kernel routes: a decoding step runs every linear layer over a few rows (1 to ~64 tree tokens per
+sequence). On a CPU there are two exact ways to do it, and which is faster depends on the CPU and
+the number of rows: "aten" (F.linear: MKL's sgemm in float32) and "packed" (oneDNN's linear over a
+copy of the weight reordered once into its blocked layout). On a 2-core AMD EPYC packed is nearly
+flat in the rows and aten grows fast (SmolLM2-135M's 210 linear layers with cold caches: 1 row 41
+-> 21 ms, 16 rows 76 -> 27 ms); on a 2-core Sapphire Rapids aten wins at one row. So
+`probe_routes` times both on the model's own layers, per row count, and the decoding step takes the
+faster (`Routes`, chosen per machine by `medusa_heads.tuning`). Without a probe, float32 takes the
+packed route and bfloat16 aten. Each packed weight is a second copy of the weight, made at its first
+use and remade when the weight changes; a model whose copies would not fit in half the free memory
+decodes without them. Set MEDUSA_HEADS_PACKED_WEIGHTS=0 to turn packing off. Transformers' own
+generate is untouched: routes apply within a decoding step only.
 
 Compiled decoding passes (opt-in: `MedusaModel.compile_decoding()`, `--compile`): the decoder's
 verification passes run through torch.compile, which fuses the many small operations around the
@@ -22,9 +25,15 @@ Prefill stays eager.
 from __future__ import annotations
 
 import os
+import random
+import statistics
+import time
 import warnings
+from bisect import bisect_left
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -33,9 +42,36 @@ from torch.nn import functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 ENABLED = os.environ.get("MEDUSA_HEADS_PACKED_WEIGHTS", "1") != "0" and torch.backends.mkldnn.is_available()
-_in_step = ContextVar("medusa_heads_decoding_step", default=False)
+ROUTED_DTYPES = (torch.float32, torch.bfloat16)
+PROBE_WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # rows per product that `probe_routes` times
 _packed = WeakIdKeyDictionary()  # weight -> (its version when packed, its packed copy)
 _PACKED_FOR_ROWS = 16  # the row count oneDNN picks the packed layout for
+
+
+@dataclass(frozen=True)
+class Routes:
+    """The kernel route of a linear product by dtype and row count: per dtype name, the route chosen
+    at each probed width; a product takes the choice of the smallest probed width >= its rows (the
+    largest beyond them). Dtypes not probed take the unprobed default."""
+
+    widths: tuple[int, ...] = PROBE_WIDTHS
+    choice: dict[str, tuple[str, ...]] = field(default_factory=dict)  # "torch.float32" -> route per width
+
+    def route(self, rows: int, dtype: torch.dtype) -> str:
+        names = self.choice.get(str(dtype))
+        if names is None:
+            return "packed" if dtype == torch.float32 else "aten"
+        return names[min(bisect_left(self.widths, rows), len(names) - 1)]
+
+    def to_json(self) -> dict:
+        return {"widths": list(self.widths), "choice": {k: list(v) for k, v in self.choice.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Routes:
+        return cls(tuple(data["widths"]), {k: tuple(v) for k, v in data["choice"].items()})
+
+
+_in_step: ContextVar[Routes | None] = ContextVar("medusa_heads_decoding_step", default=None)
 
 
 def packed(weight: torch.Tensor) -> torch.Tensor:
@@ -52,21 +88,31 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed(weight), bias, "none", [], "")
 
 
-# the same, as one opaque operation to torch.compile (its dispatch costs ~10 us a call: eager calls the function)
-_packed_linear_op = torch.library.custom_op("medusa_heads::packed_linear", _packed_linear, mutates_args=())
+ROUTES: dict[str, Callable] = {"aten": F.linear, "packed": _packed_linear}
 
 
-@_packed_linear_op.register_fake
+def _routed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The product by the route this decoding step's Routes choose for its rows and dtype."""
+    routes = _in_step.get() or Routes()
+    return ROUTES[routes.route(x.numel() // x.shape[-1], x.dtype)](x, weight, bias)
+
+
+# the same, as one opaque operation to torch.compile: the route is chosen when the graph runs (its dispatch
+# costs ~10 us a call: eager calls the function)
+_routed_linear_op = torch.library.custom_op("medusa_heads::routed_linear", _routed_linear, mutates_args=())
+
+
+@_routed_linear_op.register_fake
 def _(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, over the packed weight on a CPU within a decoding step (a compiled graph only runs in one)."""
+    """F.linear, by the chosen kernel route on a CPU within a decoding step (a compiled graph only runs in one)."""
     compiling = torch.compiler.is_compiling()  # the context variable cannot be traced
-    cpu_float = x.device.type == "cpu" and weight.dtype == torch.float32 == x.dtype
-    if ENABLED and cpu_float and (compiling or _in_step.get()):
-        return (_packed_linear_op if compiling else _packed_linear)(x, weight, bias)
+    routed = x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in ROUTED_DTYPES
+    if ENABLED and routed and (compiling or _in_step.get() is not None):
+        return (_routed_linear_op if compiling else _routed_linear)(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -82,14 +128,19 @@ def _free_memory() -> float:
         return float("inf")
 
 
+def cpu_linears(model: nn.Module) -> list[nn.Linear]:
+    """The model's linear layers whose products take a kernel route."""
+    return [module for module in model.modules() if type(module) is nn.Linear
+            and module.weight.device.type == "cpu" and module.weight.dtype in ROUTED_DTYPES]
+
+
 def install(model: nn.Module) -> None:
-    """Give the model's CPU linear layers the packed route, if their packed copies fit in half the free
+    """Give the model's CPU linear layers the routed product, if their packed copies fit in half the free
     memory (idempotent; no-op when switched off)."""
     if not ENABLED:
         return
-    layers = [module for module in model.modules()
-              if type(module) is nn.Linear and module.weight.device.type == "cpu" and "forward" not in vars(module)]
-    needed = sum(layer.weight.nbytes for layer in layers if layer.weight.dtype == torch.float32)
+    layers = [layer for layer in cpu_linears(model) if "forward" not in vars(layer)]
+    needed = sum(layer.weight.nbytes for layer in layers)
     if needed > _free_memory() / 2:
         warnings.warn(f"packed weights would take {needed / 2**30:.1f} GiB, more than half the free memory: "
                       "decoding without them (slower on a CPU)", stacklevel=2)
@@ -99,13 +150,55 @@ def install(model: nn.Module) -> None:
 
 
 @contextmanager
-def decoding_step():
-    """Within this context, installed linear layers use packed weights."""
-    token = _in_step.set(True)
+def decoding_step(routes: Routes | None = None):
+    """Within this context, installed linear layers take the kernel routes given (else the unprobed defaults)."""
+    token = _in_step.set(routes or Routes())
     try:
         yield
     finally:
         _in_step.reset(token)
+
+
+def probe_routes(model: nn.Module, widths: Iterable[int] = PROBE_WIDTHS, rounds: int = 5,
+                 progress: Callable[[], None] | None = None) -> Routes:
+    """Time every kernel route on the model's own CPU linear layers (all of them in turn, so caches are
+    cold as in decoding), at each row count; per dtype present, the fastest route at each width
+    (median over rounds that shuffle the routes). A route that fails for a dtype (e.g. packed bfloat16
+    on a CPU without the instructions oneDNN needs) is left out."""
+    widths, choice = tuple(widths), {}
+    if not ENABLED:
+        return Routes(widths, choice)
+    order = random.Random(0)
+    by_dtype: dict[torch.dtype, list[nn.Linear]] = {}
+    for layer in cpu_linears(model):
+        by_dtype.setdefault(layer.weight.dtype, []).append(layer)
+    for dtype, layers in by_dtype.items():
+        routes = [name for name, fn in ROUTES.items() if _works(fn, layers[0])]
+        inputs = {w: {n: torch.randn(w, n, dtype=dtype) for n in {layer.in_features for layer in layers}}
+                  for w in widths}
+        times: dict[tuple[int, str], list[float]] = {(w, r): [] for w in widths for r in routes}
+        with torch.inference_mode():
+            for _ in range(rounds):
+                for w in widths:
+                    for route in order.sample(routes, len(routes)):
+                        fn, x = ROUTES[route], inputs[w]
+                        start = time.perf_counter()
+                        for layer in layers:
+                            fn(x[layer.in_features], layer.weight, layer.bias)
+                        times[w, route].append(time.perf_counter() - start)
+                if progress:
+                    progress()
+        choice[str(dtype)] = tuple(min(routes, key=lambda r, w=w: statistics.median(times[w, r])) for w in widths)
+    return Routes(widths, choice)
+
+
+def _works(route: Callable, layer: nn.Linear) -> bool:
+    try:
+        with torch.inference_mode():
+            route(torch.zeros(1, layer.in_features, dtype=layer.weight.dtype), layer.weight, layer.bias)
+        return True
+    except RuntimeError:
+        return False
 
 
 def compiled_decoder(body: nn.Module):

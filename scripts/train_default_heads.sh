@@ -2,7 +2,8 @@
 # Reproduces the heads for the embedded default model (SmolLM2-135M-Instruct): self-distillation,
 # Medusa-1 training, tree calibration. Every step resumes: rerun the script after a stop.
 # The prompt order is a seeded permutation of train_prompts.jsonl, so a larger PROMPTS extends the
-# same data. Set SHIP=1 to copy the result into the package (medusa_heads/default_heads, trees/default.json).
+# same data. Set SHIP=1 to copy the result into the package (medusa_heads/default_heads with the heads'
+# replay record, from which tree="auto" chooses on each machine; trees/default.json, the fallback tree).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${DATA:-../shared/data}
@@ -32,7 +33,7 @@ time "$MEDUSA" calibrate --heads "$WORK/heads" --prompts "$DATA/train_prompts.js
 
 if [ "${SHIP:-0}" = 1 ]; then
   mkdir -p medusa_heads/default_heads
-  cp "$WORK/heads/config.json" "$WORK/heads/model.safetensors" medusa_heads/default_heads/
+  cp "$WORK/heads/config.json" "$WORK/heads/model.safetensors" "$WORK/heads/replay.json" medusa_heads/default_heads/
   cp "$WORK/tree.json" medusa_heads/trees/default.json
   echo "shipped: medusa_heads/default_heads and medusa_heads/trees/default.json"
 fi

@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -11,6 +12,10 @@ from tiny import ARCHS, VOCAB, tiny_model
 from medusa_heads import MedusaModel
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+# Tests decode with the unprobed kernel routes and the shipped tree, and write no tuning into the user
+# cache; tests/test_tuning.py turns the probe on, in a temporary cache.
+os.environ["MEDUSA_HEADS_TUNE"] = "0"
 
 
 def randomize_heads(model: MedusaModel, seed: int = 1, std: float = 0.3) -> MedusaModel:

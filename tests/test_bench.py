@@ -13,8 +13,8 @@ class WrongMethod(Method):
     """Plain decoding with one token changed: the bench must report it."""
 
     def run(self, ids, max_new_tokens):
-        tokens, steps, lengths = super().run(ids, max_new_tokens)
-        return [(tokens[0] + 1) % 16, *tokens[1:]], steps, lengths
+        tokens, steps, lengths, seconds = super().run(ids, max_new_tokens)
+        return [(tokens[0] + 1) % 16, *tokens[1:]], steps, lengths, seconds
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def result(tmp_path_factory):
     model.tokenizer = tiny_tokenizer()
     methods = ["hf", "hf-pld", "plain", "medusa", "medusa:reference", WrongMethod("plain", model)]
     methods[-1].name = "wrong"
-    return bench(model, questions, methods, out / "run", max_new_tokens=12), out / "run"
+    return bench(model, load_questions(questions), methods, out / "run", max_new_tokens=12), out / "run"
 
 
 def test_files_and_schema(result):
@@ -87,3 +87,34 @@ def test_load_bench(tmp_path):
     assert all(r["identical_to_plain"] for r in result["rows"] if r["method"] == "medusa")
     assert result["rows"][0]["mean_accepted_length"] == 1.0 and result["rows"][1]["mean_accepted_length"] > 1.0
     assert "| 3 | medusa |" in load_markdown(result)
+
+
+def test_suite_rows_hold_unseen_prompts_of_each_task_type(tmp_path):
+    from medusa_heads.suite import suite_questions
+
+    records = [{"id": "t1", "category": "translation", "turns": ["Translate: chat"]},
+               {"id": "t2", "category": "translation", "turns": ["Translate: chien", "and more"]},
+               {"id": "t3", "category": "translation", "turns": ["Translate: oiseau"]},
+               {"id": "s1", "category": "summarization", "turns": ["Summarize: ..."]},
+               {"id": "q0", "category": "qa", "source": "trivia", "turns": ["Who?"]},  # no passage: not passage-qa
+               {"id": "q1", "category": "qa", "source": "x (passage; template)", "turns": ["Read: ... Who?"]},
+               {"id": "m1", "category": "math", "turns": ["3 apples..."]},
+               {"id": "c1", "category": "coding", "turns": ["Write a function"]}]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    mt_bench = tmp_path / "mt.jsonl"
+    mt_bench.write_text("\n".join(json.dumps({"question_id": i, "category": "ab"[i // 2], "turns": [f"q{i}", "next"]})
+                                  for i in range(4)) + "\n")
+    questions = suite_questions(prompts, mt_bench, per_category=1, exclude={"t1"})
+    assert [(q["category"], q["question_id"], q["turns"]) for q in questions] == [
+        ("translation", "t2", ["Translate: chien"]), ("summarization", "s1", ["Summarize: ..."]),
+        ("passage-qa", "q1", ["Read: ... Who?"]), ("math", "m1", ["3 apples..."]), ("code", "c1", ["Write a function"]),
+        ("mt-bench", 0, ["q0"])]
+    with pytest.raises(ValueError, match="fewer than 2 prompts left for summarization, passage-qa, math, code"):
+        suite_questions(prompts, None, per_category=2)
+    for name in ("s", "q", "m", "c"):  # a second prompt of every type
+        records.append({**next(r for r in records if r["id"] == f"{name}1"), "id": f"{name}2"})
+    prompts.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    questions = suite_questions(prompts, mt_bench, per_category=2)
+    assert [q["question_id"] for q in questions if q["category"] == "translation"] == ["t1", "t2"]
+    assert [q["question_id"] for q in questions if q["category"] == "mt-bench"] == [0, 2]  # one of each category

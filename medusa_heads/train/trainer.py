@@ -23,6 +23,7 @@ from tqdm import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from .. import adapter
+from ..calibrate import Record
 from ..io import save_heads
 from ..model import MedusaModel
 from .data import IGNORE, Example, read_conversations, tokenize
@@ -359,4 +360,5 @@ class Trainer:
                 peft_model.save_pretrained(self.out / "adapter")
                 extra["backbone"] = "adapter"
         save_heads(self.model.heads, self.out, base_model=self.model.base_name, **extra)
+        (self.out / Record.FILE).unlink(missing_ok=True)  # a replay record of earlier heads: `medusa calibrate` anew
 

@@ -1,0 +1,137 @@
+"""tree="auto": kernel routes and the tree are probed on this machine, cached, and reused."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import randomize_heads
+from tiny import tiny_model, tiny_tokenizer
+
+from medusa_heads import MedusaModel, Tree, speed, tuning
+from medusa_heads.calibrate import Record, record_answers
+
+PROMPT = torch.tensor([[3, 4, 5]])
+
+
+@pytest.fixture
+def probing(monkeypatch, tmp_path):
+    """The probe on, with a cache of its own."""
+    monkeypatch.setenv("MEDUSA_HEADS_TUNE", "1")
+    monkeypatch.setenv("MEDUSA_HEADS_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "tuning"
+
+
+def float_tiny(seed: int = 0) -> MedusaModel:
+    """A tiny float32 Llama with random heads: its linear layers take the routed products."""
+    base = tiny_model("llama", seed=seed, dtype=torch.float32)
+    return randomize_heads(MedusaModel.from_pretrained(base, num_heads=3))
+
+
+def recorded(model: MedusaModel) -> MedusaModel:
+    model.record = record_answers(model, [PROMPT, torch.tensor([[6, 7, 8, 9]])], max_new_tokens=16)
+    return model
+
+
+def test_routes_by_rows_and_dtype():
+    routes = speed.Routes((1, 4, 16), {"torch.float32": ("aten", "packed", "aten")})
+    assert [routes.route(rows, torch.float32) for rows in (1, 2, 4, 5, 16, 500)] == [
+        "aten", "packed", "packed", "aten", "aten", "aten"]
+    assert routes.route(3, torch.bfloat16) == "aten"  # not probed: the unprobed default
+    assert speed.Routes().route(3, torch.float32) == "packed"
+    assert speed.Routes.from_json(json.loads(json.dumps(routes.to_json()))) == routes
+
+
+@pytest.mark.skipif(not speed.ENABLED, reason="packed weights switched off or oneDNN missing")
+def test_decoding_takes_the_route_chosen_for_its_rows(monkeypatch):
+    model = float_tiny()
+    taken = []
+    for name, fn in dict(speed.ROUTES).items():  # the real routes, recording the rows they took
+        def spy(x, w, b, name=name, fn=fn):
+            taken.append((x.numel() // x.shape[-1], name))
+            return fn(x, w, b)
+
+        monkeypatch.setitem(speed.ROUTES, name, spy)
+    plain = model.generate(PROMPT, max_new_tokens=12, tree="plain").sequences
+    monkeypatch.setattr(tuning, "tuning", lambda model, refresh=False: tuning.Tuning(
+        {}, speed.Routes((1, 3), {"torch.float32": ("aten", "packed")}), None, None, None, 0.0))
+    taken.clear()
+    out = model.generate(PROMPT, max_new_tokens=12, tree="chain-2")
+    assert torch.equal(out.sequences, plain)
+    assert {name for rows, name in taken if rows == 1} == {"aten"}  # the heads' products over one state
+    assert {name for rows, name in taken if rows > 1} == {"packed"}  # prefill (3 tokens) and the 3-node passes
+
+
+@pytest.mark.skipif(not speed.ENABLED, reason="packed weights switched off or oneDNN missing")
+def test_probe_picks_the_faster_route(monkeypatch):
+    model = float_tiny()
+    speed.install(model)
+    real = speed.ROUTES["packed"]
+
+    def slow_when_wide(x, w, b):  # packed made slower than aten beyond 4 rows
+        if x.shape[0] > 4:
+            time.sleep(2e-4)
+        return real(x, w, b)
+
+    monkeypatch.setitem(speed.ROUTES, "packed", slow_when_wide)
+    monkeypatch.setitem(speed.ROUTES, "aten", lambda x, w, b: time.sleep(1e-4) or torch.nn.functional.linear(x, w, b))
+    routes = speed.probe_routes(model, widths=(1, 4, 16), rounds=3)
+    assert routes.choice["torch.float32"] == ("packed", "packed", "aten")
+
+
+def test_probe_chooses_a_tree_caches_it_and_a_second_process_reuses_it(probing, monkeypatch):
+    model = recorded(float_tiny())
+    out = model.generate(PROMPT, max_new_tokens=20)  # tree="auto"
+    tuned = model.tuning
+    assert tuned.tree is not None and tuned.tree.name == "auto" and not tuned.cached
+    assert tuned.cost_curve["tokens"][0] == 1 and len(tuned.table) > 1
+    assert "routes by rows" in tuned.summary() and "tree" in tuned.summary()
+    assert torch.equal(out.sequences, model.generate(PROMPT, max_new_tokens=20, tree="plain").sequences)
+    assert tuning.cache_file(tuning.machine(model)).exists()
+
+    again = float_tiny(seed=1)  # another process's model: same machine, model, dtype and heads
+    again.record = model.record
+    monkeypatch.setattr(tuning, "probe", lambda *a: pytest.fail("probed again despite the cache"))
+    assert tuning.tuning(again).cached
+    assert again.tuning.tree.paths == tuned.tree.paths and again.tuning.routes == tuned.routes
+
+
+def test_another_record_or_machine_probes_again(probing, monkeypatch):
+    model = recorded(float_tiny())
+    files = {tuning.cache_file(tuning.tuning(model).machine)}
+    model.record = Record(model.record.accuracy_top_r, model.record.targets, model.record.answers[:1], 16)
+    files.add(tuning.cache_file(tuning.tuning(model).machine))  # other heads' record: another key
+    monkeypatch.setattr(tuning, "_cpu_info", lambda: ("Some Other CPU", frozenset({"avx2"})))
+    assert tuning.tuning(model).machine["cpu"] == "Some Other CPU"
+    files.add(tuning.cache_file(model.tuning.machine))
+    assert len(files) == 3 and all(file.exists() for file in files)
+
+
+def test_tuning_off_gives_the_shipped_tree(monkeypatch):
+    monkeypatch.setenv("MEDUSA_HEADS_TUNE", "0")
+    model = float_tiny()
+    model.generate(PROMPT, max_new_tokens=4)
+    assert model.tuning is None
+    from medusa_heads.generate import resolve_tree
+
+    assert resolve_tree(model, "auto").paths == Tree.load("default").paths
+
+
+def test_record_travels_with_the_heads(tmp_path):
+    model = recorded(float_tiny())
+    model.save_pretrained(tmp_path / "heads")
+    loaded = MedusaModel.from_pretrained(tiny_model("llama", dtype=torch.float32), heads=tmp_path / "heads")
+    assert loaded.record == model.record
+
+
+def test_calibrate_probe_command(probing, tmp_path):
+    base = tmp_path / "base"
+    tiny_model("llama").float().save_pretrained(base)
+    tiny_tokenizer().save_pretrained(base)
+    command = [sys.executable, "-m", "medusa_heads.cli", "calibrate", "--probe", "--base", str(base)]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "tuning (probed in" in out.stderr and "routes by rows" in out.stderr
+    assert len(list(probing.glob("*.json"))) == 1
