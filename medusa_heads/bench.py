@@ -2,7 +2,8 @@
 
 Methods: `hf` (transformers generate, greedy: the reference), `hf-pld` (transformers prompt lookup
 decoding), `plain` (this project's loop without heads), `medusa` (the tree probed for this machine,
-`tree="auto"`), `medusa:TREE` (any other tree) and `llama.cpp:VARIANT` (llama.cpp on the GGUF, as
+`tree="auto"`), `medusa:TREE` (any other tree), `medusa-adapt[:TREE]` (the same with per-request
+adaptation, `medusa_heads.adaptive`) and `llama.cpp:VARIANT` (llama.cpp on the GGUF, as
 given or requantized to F32 / BF16: `medusa_heads.peers`). Speed-up = method tok/s / hf tok/s,
 where tok/s is a method's total new tokens over its total time (wall time; llama.cpp's own prompt +
 generation timings, which leave out its process start and model load). Mean accepted length = new
@@ -25,6 +26,7 @@ from tqdm import tqdm
 
 from .accuracy import accuracy_table, head_ranks, rank_hits
 from .generate import generate
+from .lookup import first_difference
 
 PLD_TOKENS = 10  # prompt_lookup_num_tokens for hf-pld, transformers' documented default
 REFERENCE = "hf"
@@ -67,9 +69,9 @@ class Method:
     def __init__(self, name: str, model, llama_cpp: str | Path | None = None, gguf: str | Path | None = None):
         self.name, self.model = name, model
         kind, _, option = name.partition(":")
-        if kind not in ("hf", "hf-pld", "plain", "medusa", PEER):
-            raise ValueError(f"unknown method {name!r}: use hf, hf-pld, plain, medusa, medusa:TREE or "
-                             f"{PEER}:VARIANT")
+        if kind not in ("hf", "hf-pld", "plain", "medusa", "medusa-adapt", PEER):
+            raise ValueError(f"unknown method {name!r}: use hf, hf-pld, plain, medusa[:TREE], medusa-adapt[:TREE] "
+                             f"or {PEER}:VARIANT")
         self.kind = kind
         self.tree = "plain" if kind == "plain" else (option or "auto")
         self.peer = None
@@ -88,7 +90,8 @@ class Method:
             return tokens, len(tokens), [], seconds
         if self.kind.startswith("hf"):
             return (*self._run_hf(ids, max_new_tokens), None)
-        out = generate(self.model, ids, max_new_tokens=max_new_tokens, tree=self.tree)
+        adapt = self.kind == "medusa-adapt"
+        out = generate(self.model, ids, max_new_tokens=max_new_tokens, tree=self.tree, adapt=adapt)
         return out.new_tokens[0], out.steps, out.accept_lengths[0], None
 
     def _run_hf(self, ids, max_new_tokens):
@@ -171,11 +174,6 @@ def summarize(records: list[dict], reference: str = REFERENCE) -> dict:
                   and (r["question_id"], r["turn"]) in outputs
                   and r["tokens"] != outputs[(r["question_id"], r["turn"])]]
     return {"methods": dict(summary), "mismatches": mismatches, "reference": reference}
-
-
-def first_difference(a: list[int], b: list[int]) -> int:
-    """Index of the first token where a and b differ (the shorter length when one extends the other)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def environment(model) -> dict:

@@ -15,11 +15,17 @@ DEMO_PROMPTS = [
 ]
 
 
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16",
+          "fp16": "float16"}
+
+
 def add_model_args(parser: argparse.ArgumentParser,
                    heads_help: str = "heads folder (default: the heads shipped for the default model)") -> None:
     parser.add_argument("--base", help="hub id, HF folder or GGUF file (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--heads", help=heads_help)
-    parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default: auto)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                        help="float32 (fp32: exact), bfloat16 (bf16: faster where the hardware has it), float16 or "
+                             "auto (default: auto, the model's own)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
 
 
@@ -29,7 +35,7 @@ def load_model(args: argparse.Namespace, **kwargs):
     from .model import MedusaModel
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    hf = {} if args.dtype == "auto" else {"dtype": getattr(torch, args.dtype)}
+    hf = {} if args.dtype == "auto" else {"dtype": getattr(torch, DTYPES[args.dtype])}
     kwargs.setdefault("projection", "shared")  # fresh heads only: an own copy of lm_head would change nothing
     model = MedusaModel.from_pretrained(args.base, heads=args.heads, **hf, **kwargs).to(device)
     if getattr(args, "compile", False):
@@ -41,11 +47,13 @@ def load_model(args: argparse.Namespace, **kwargs):
 
 def report_tuning(model, refresh: bool = False) -> None:
     """Probe this machine now (or read the cached probe) and say what was chosen, on stderr."""
-    from .tuning import tuning
+    from .tuning import ROUTE_ROUNDS, tuning
 
     tuned = tuning(model, refresh)
     print(tuned.summary() if tuned else "tuning off (MEDUSA_HEADS_TUNE=0): shipped tree, unprobed kernel routes",
           file=sys.stderr, flush=True)
+    if tuned and refresh:
+        print(f"all linear layers, ms (median of {ROUTE_ROUNDS} rounds):\n{tuned.routes.table()}", file=sys.stderr)
 
 
 def add_compile_arg(parser: argparse.ArgumentParser) -> None:
@@ -62,12 +70,14 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
                         "preset (default, reference, chain-D, dense-WxD, plain) or a JSON file; append +lookupL for a "
                         "prompt-lookup branch of L tokens (+lookup0 drops it)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--adapt", action="store_true",
+                        help="the tree follows what each answer accepts (medusa_heads.adaptive)")
     parser.add_argument("--seed", type=int, default=None)
 
 
 def decoding_kwargs(args: argparse.Namespace) -> dict:
     return dict(acceptance=args.acceptance, temperature=args.temperature, top_p=args.top_p,
-                max_new_tokens=args.max_new_tokens, tree=args.tree, stop=args.stop, seed=args.seed)
+                max_new_tokens=args.max_new_tokens, tree=args.tree, stop=args.stop, seed=args.seed, adapt=args.adapt)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -171,7 +181,8 @@ def setup_bench(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     add_compile_arg(p)
     p.add_argument("--methods", default="hf,hf-pld,plain,medusa",
-                   help="comma-separated: hf, hf-pld, plain, medusa (tree auto), medusa:TREE, llama.cpp:gguf, "
+                   help="comma-separated: hf, hf-pld, plain, medusa (tree auto), medusa:TREE, medusa-adapt[:TREE], "
+                        "llama.cpp:gguf, "
                         "llama.cpp:F32, llama.cpp:BF16 (default: %(default)s)")
     p.add_argument("--llama-cpp", help="folder of llama.cpp's binaries, for llama.cpp methods "
                    "(../shared/tools/build-llama-cpp prints it)")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import adapter, lookup, speed
+from . import adapter, adaptive, lookup, speed
 from .acceptance import Sampling, accept, choose
 from .cache import TreeCache
 from .tree import Tree
@@ -56,27 +56,42 @@ class _Row:
     stop: list[str]
     tokens: list[int] = field(default_factory=list)
     accept_lengths: list[int] = field(default_factory=list)
+    lookup_budget: int = 0  # most lookup tokens this row drafts (`adaptive`)
+    head_depth: float | None = None  # moving average of how deep the heads' guesses were right (`adaptive`)
     stop_at: int | None = None  # character offset of a stop string in the decoded text
     finish_reason: str | None = None  # "stop" (EOS or a stop string), "length" or "cancelled" once done
 
 
+class _Buffers:
+    """A tree's verification buffers on the decoding device."""
+
+    def __init__(self, tree: Tree, device: torch.device):
+        self.depths, self.parents, self.retrieve, self.mask = (
+            t.to(device) for t in (tree.depths, tree.parents, tree.retrieve, tree.mask))
+        self.levels = tree.levels(device)
+
+
 class Decoder:
     """Decodes a changing batch: rows join with `add` (prefilled at the next step), every step
-    verifies every active row's tree in one forward pass, and finished rows leave."""
+    verifies every active row's tree in one forward pass, and finished rows leave. With `adapt`,
+    each row's tree follows what it accepts (`medusa_heads.adaptive`)."""
 
-    def __init__(self, model, tree: Tree):
+    def __init__(self, model, tree: Tree, adapt: bool = False):
         if tree.size > 1:
             heads = model.heads.config
             tree.check(heads.num_heads, heads.draft_vocab or heads.vocab_size)
         from .tuning import tuning  # (it decodes to measure)
 
-        self.model, self.tree, self.device = model, tree, model.device
+        self.model, self.tree, self.device, self.adapt = model, tree, model.device, adapt
         speed.install(model)
         tuned = tuning(model)
         self.routes = tuned.routes if tuned else None  # the kernel route of each product, as probed here
-        tree_buffers = (tree.depths, tree.parents, tree.retrieve, tree.mask)
-        self.depths, self.parents, self.retrieve, self.tree_mask = (t.to(self.device) for t in tree_buffers)
-        self.levels = tree.levels(self.device)
+        self.full = _Buffers(tree, self.device)
+        # the root and the lookup branch alone: the steps whose rows' heads do not pay
+        self.lookup_only = _Buffers(Tree([], lookup=tree.lookup), self.device) if adapt and tree.lookup else None
+        curve = tuned.cost_curve if adapt and tuned and tree.head_size > 1 else None
+        self.heads_threshold = adaptive.heads_threshold(curve, tree.head_size)
+        self.decoded_steps = 0
         self.rows: dict[int, _Row] = {}  # every row added, by id, until the caller forgets it
         self.active: list[int] = []  # batch position -> row id
         self.pending: list[int] = []  # added, not yet prefilled
@@ -101,7 +116,7 @@ class Decoder:
         else:
             generator.manual_seed(seed)
         settings = dict(sampling=sampling or Sampling(), generator=generator, max_new_tokens=max_new_tokens,
-                        eos=_eos_ids(self.model, eos_token_id), stop=stop)
+                        eos=_eos_ids(self.model, eos_token_id), stop=stop, lookup_budget=self.tree.lookup)
         ids = []
         for prompt in _prompts(input_ids, attention_mask):
             ids.append(next(self._ids))
@@ -174,45 +189,71 @@ class Decoder:
     @torch.inference_mode()
     def _decode(self) -> None:
         batch = self.root.shape[0]
+        requests = [self.rows[i] for i in self.active]
+        heads_on = self.tree.head_size > 1 and self._heads_pay(requests)
+        buffers = self.full if heads_on or self.lookup_only is None else self.lookup_only
         tokens = self.root[:, None]
-        if self.tree.head_size > 1:
-            candidates = self.model.heads.draft(self.hidden, self.root, self.levels, self.tree.topk)
+        if heads_on:
+            candidates = self.model.heads.draft(self.hidden, self.root, buffers.levels, self.tree.topk)
             tokens = torch.cat([tokens, candidates], dim=1)  # (B, head_size)
-        if self.tree.lookup:
-            tokens = torch.cat([tokens, self._lookup_drafts()], dim=1)
+        drafts = [lookup.continuation(r.prompt + r.tokens, r.lookup_budget) for r in requests if self.tree.lookup]
+        if any(drafts):
+            tokens = torch.cat([tokens, self._padded(drafts, requests)], dim=1)
         n = tokens.shape[1]  # this step's tree: the first n nodes (the lookup branch may be cut short)
-        parents, retrieve = self.parents[:n], self.retrieve.masked_fill(self.retrieve >= n, -1)
+        parents, retrieve = buffers.parents[:n], buffers.retrieve.masked_fill(buffers.retrieve >= n, -1)
         lengths = self.cache.lengths
-        positions = lengths[:, None] + self.depths[:n]  # (B, n)
+        positions = lengths[:, None] + buffers.depths[:n]  # (B, n)
         slots = torch.arange(int(lengths.max()) + n, device=self.device)
         rel = slots[None, :] - lengths[:, None]  # (B, S): slot offset from each row's tree start
         in_tree = (rel >= 0) & (rel < n)
-        tree_part = self.tree_mask[:n, rel.clamp(0, n - 1)].permute(1, 0, 2) & in_tree[:, None]  # (B, n, S)
+        tree_part = buffers.mask[:n, rel.clamp(0, n - 1)].permute(1, 0, 2) & in_tree[:, None]  # (B, n, S)
         allowed = (rel < 0)[:, None, :] | tree_part
         hidden = self._forward(self.cache, tokens, positions, allowed[:, None], visible=slots.numel(), compiled=True)
         logits = adapter.logits(self.model.base_model, hidden)  # (B, n, V)
         path = torch.empty(batch, retrieve.shape[1], dtype=torch.long, device=self.device)
         count = torch.empty(batch, dtype=torch.long, device=self.device)
         next_token = torch.empty(batch, dtype=torch.long, device=self.device)
-        for rows_, row in self._groups(self.active):  # rows sharing settings are accepted together
-            result = accept(tokens[rows_], logits[rows_], parents, retrieve, row.sampling, row.generator)
-            path[rows_], count[rows_], next_token[rows_] = result.path, result.count, result.next_token
+        for group, row in self._groups(self.active):  # rows sharing settings are accepted together
+            result = accept(tokens[group], logits[group], parents, retrieve, row.sampling, row.generator)
+            path[group], count[group], next_token[group] = result.path, result.count, result.next_token
         path = path.clamp(min=0)  # (B, depth+1)
         self.cache.commit(count + 1, path if n > 1 else None)
         rows = torch.arange(batch, device=self.device)
         self.hidden, self.root = hidden[rows, path[rows, count]], next_token
         emitted = torch.cat([tokens.gather(1, path[:, 1:]), next_token[:, None]], dim=1)  # (B, depth+1)
         emitted[rows, count] = next_token  # the bonus goes right after the accepted candidates
+        if self.adapt:
+            self._follow(requests, tokens, emitted, count, drafts, heads_on)
         self._emit(emitted, count + 1, positions=range(batch))
 
-    def _lookup_drafts(self) -> torch.Tensor:
-        """Each active row's prompt-lookup draft (B, longest draft), shorter ones padded with their
+    def _padded(self, drafts: list[list[int]], requests: list[_Row]) -> torch.Tensor:
+        """The rows' prompt-lookup drafts (B, longest draft), shorter ones padded with their text's
         last token (a pad that happens to be right is still verified, so it is still right)."""
-        contexts = [self.rows[i].prompt + self.rows[i].tokens for i in self.active]
-        drafts = [lookup.continuation(context, self.tree.lookup) for context in contexts]
         width = max(map(len, drafts))
-        padded = [d + [context[-1]] * (width - len(d)) for d, context in zip(drafts, contexts, strict=True)]
-        return torch.tensor(padded, dtype=torch.long, device=self.device).reshape(len(drafts), width)
+        padded = [d + [(r.tokens or r.prompt)[-1]] * (width - len(d)) for d, r in zip(drafts, requests, strict=True)]
+        return torch.tensor(padded, dtype=torch.long, device=self.device)
+
+    def _heads_pay(self, requests: list[_Row]) -> bool:
+        """Whether this step verifies the heads' guesses: some row's heads pay for themselves (or are
+        not measured yet), or it is a step that measures them again."""
+        if self.heads_threshold is None:
+            return True
+        self.decoded_steps += 1
+        return self.decoded_steps % adaptive.REFRESH == 0 or any(
+            r.head_depth is None or r.head_depth >= self.heads_threshold for r in requests)
+
+    def _follow(self, requests: list[_Row], tokens, emitted, count, drafts: list[list[int]], heads_on: bool) -> None:
+        """Update each row's head-depth average and lookup budget from what this step emitted."""
+        if heads_on and self.heads_threshold is not None:
+            size = self.tree.head_size
+            depths = adaptive.head_depths(tokens[:, :size], emitted, count, self.full.depths[:size],
+                                          self.full.mask[:size, :size])
+            for row, depth in zip(requests, depths.tolist(), strict=True):
+                row.head_depth = adaptive.smoothed(row.head_depth, depth)
+        if any(drafts):
+            for row, draft, out, c in zip(requests, drafts, emitted.tolist(), count.tolist(), strict=True):
+                right = lookup.first_difference(draft, out[: c + 1])
+                row.lookup_budget = adaptive.next_lookup_budget(row.lookup_budget, len(draft), right, self.tree.lookup)
 
     def _forward(self, cache: TreeCache, ids, positions, allowed, visible: int, rows=None,
                  compiled: bool = False) -> torch.Tensor:
@@ -318,6 +359,7 @@ def generate(
     seed: int | None = None,
     epsilon: float = 0.09,
     delta: float = 0.3,
+    adapt: bool = False,
 ) -> GenerationOutput:
     """Generate with Medusa heads.
 
@@ -328,9 +370,11 @@ def generate(
     (`medusa_heads.tuning`); or a Tree, a preset name ("default", "reference", "chain-3", "dense-2x3",
     "plain"), a JSON file or a list of paths.
     stop: strings that end generation; eos_token_id: defaults to the model's.
+    adapt: each row's tree follows what it accepts (`medusa_heads.adaptive`; measured no faster on a 2-core
+    AMD EPYC, so off by default); False: the tree as given at every step.
     """
     decoder = make_decoder(model, input_ids, attention_mask, max_new_tokens, acceptance, temperature, top_p, tree, stop,
-                       eos_token_id, seed, epsilon, delta)
+                           eos_token_id, seed, epsilon, delta, adapt)
     start = time.perf_counter()
     for _ in decoder.steps():
         pass
@@ -370,8 +414,8 @@ def stream(model, input_ids: torch.Tensor, **kwargs) -> Iterator[str]:
 
 
 def make_decoder(model, input_ids, attention_mask, max_new_tokens=256, acceptance="greedy", temperature=1.0, top_p=1.0,
-             tree="auto", stop=None, eos_token_id=None, seed=None, epsilon=0.09, delta=0.3) -> Decoder:
-    decoder = Decoder(model, resolve_tree(model, tree))
+                 tree="auto", stop=None, eos_token_id=None, seed=None, epsilon=0.09, delta=0.3, adapt=False) -> Decoder:
+    decoder = Decoder(model, resolve_tree(model, tree), adapt)
     decoder.add(input_ids, attention_mask, max_new_tokens, Sampling(acceptance, temperature, top_p, epsilon, delta),
                 eos_token_id, stop, seed)
     return decoder

@@ -19,3 +19,9 @@ def continuation(context: list[int], max_tokens: int) -> list[int]:
             if context[end] == last and context[end - n + 1 : end + 1] == suffix:
                 return context[end + 1 : end + 1 + max_tokens]
     return []
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    """Index of the first token where a and b differ (the shorter length when one extends the other):
+    how many tokens of a draft a are right when b is what decoding emits."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))

@@ -87,4 +87,6 @@ class LlamaCpp:
                    "--simple-io", "-c", "4096", "--perf"]
         if not self.repack:
             command.append("--no-repack")
-        return subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
+        # errors="replace": an answer cut at the token limit can end inside a multi-byte character
+        return subprocess.run(command, capture_output=True, encoding="utf-8", errors="replace",
+                              stdin=subprocess.DEVNULL, timeout=600)

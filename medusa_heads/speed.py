@@ -56,6 +56,7 @@ class Routes:
 
     widths: tuple[int, ...] = PROBE_WIDTHS
     choice: dict[str, tuple[str, ...]] = field(default_factory=dict)  # "torch.float32" -> route per width
+    times: dict[str, dict[str, tuple[float, ...]]] = field(default_factory=dict)  # dtype -> route -> ms per width
 
     def route(self, rows: int, dtype: torch.dtype) -> str:
         names = self.choice.get(str(dtype))
@@ -64,11 +65,21 @@ class Routes:
         return names[min(bisect_left(self.widths, rows), len(names) - 1)]
 
     def to_json(self) -> dict:
-        return {"widths": list(self.widths), "choice": {k: list(v) for k, v in self.choice.items()}}
+        return {"widths": list(self.widths), "choice": {k: list(v) for k, v in self.choice.items()},
+                "times": {k: {r: list(t) for r, t in v.items()} for k, v in self.times.items()}}
 
     @classmethod
     def from_json(cls, data: dict) -> Routes:
-        return cls(tuple(data["widths"]), {k: tuple(v) for k, v in data["choice"].items()})
+        times = {k: {r: tuple(t) for r, t in v.items()} for k, v in data.get("times", {}).items()}
+        return cls(tuple(data["widths"]), {k: tuple(v) for k, v in data["choice"].items()}, times)
+
+    def table(self) -> str:
+        """The probed milliseconds of all linear layers per route and width, one line per dtype and route."""
+        lines = [f"{'rows':>22} " + "".join(f"{w:>8}" for w in self.widths)]
+        for dtype, routes in self.times.items():
+            for route, ms in routes.items():
+                lines.append(f"{dtype.removeprefix('torch.') + ' ' + route:>22} " + "".join(f"{t:>8.1f}" for t in ms))
+        return "\n".join(lines)
 
 
 _in_step: ContextVar[Routes | None] = ContextVar("medusa_heads_decoding_step", default=None)
@@ -163,9 +174,9 @@ def probe_routes(model: nn.Module, widths: Iterable[int] = PROBE_WIDTHS, rounds:
                  progress: Callable[[], None] | None = None) -> Routes:
     """Time every kernel route on the model's own CPU linear layers (all of them in turn, so caches are
     cold as in decoding), at each row count; per dtype present, the fastest route at each width
-    (median over rounds that shuffle the routes). A route that fails for a dtype (e.g. packed bfloat16
-    on a CPU without the instructions oneDNN needs) is left out."""
-    widths, choice = tuple(widths), {}
+    (median over rounds that shuffle the routes), with those medians. A route that fails for a dtype
+    (e.g. packed bfloat16 on a CPU without the instructions oneDNN needs) is left out."""
+    widths, choice, measured = tuple(widths), {}, {}
     if not ENABLED:
         return Routes(widths, choice)
     order = random.Random(0)
@@ -188,8 +199,10 @@ def probe_routes(model: nn.Module, widths: Iterable[int] = PROBE_WIDTHS, rounds:
                         times[w, route].append(time.perf_counter() - start)
                 if progress:
                     progress()
-        choice[str(dtype)] = tuple(min(routes, key=lambda r, w=w: statistics.median(times[w, r])) for w in widths)
-    return Routes(widths, choice)
+        medians = {key: statistics.median(t) * 1000 for key, t in times.items()}
+        choice[str(dtype)] = tuple(min(routes, key=lambda r, w=w: medians[w, r]) for w in widths)
+        measured[str(dtype)] = {r: tuple(medians[w, r] for w in widths) for r in routes}
+    return Routes(widths, choice, measured)
 
 
 def _works(route: Callable, layer: nn.Linear) -> bool:

@@ -6,7 +6,8 @@ training data), first turns only:
 
 - translation: "translation" prompts
 - summarization: "summarization" prompts (a passage to summarise)
-- passage-qa: "qa" prompts built over a passage (their source says "passage")
+- passage-qa: questions over a passage (the source says "passage"; not its summarization, rewriting,
+  extraction or writing prompts)
 - math: "math" word problems
 - code: "coding" prompts
 
@@ -25,7 +26,8 @@ from .bench import load_questions
 CATEGORIES = {  # suite row: does a prompts-file record belong to it
     "translation": lambda r: r.get("category") == "translation",
     "summarization": lambda r: r.get("category") == "summarization",
-    "passage-qa": lambda r: r.get("category") == "qa" and "passage" in str(r.get("source", "")),
+    "passage-qa": lambda r: "passage" in str(r.get("source", ""))
+    and r.get("category") not in ("summarization", "rewriting", "extraction", "writing"),
     "math": lambda r: r.get("category") == "math",
     "code": lambda r: r.get("category") == "coding",
 }

@@ -11,7 +11,8 @@ import argparse
 import json
 
 from medusa_heads import MedusaModel
-from medusa_heads.bench import first_difference, load_questions
+from medusa_heads.bench import load_questions
+from medusa_heads.lookup import first_difference
 
 
 def main() -> None:

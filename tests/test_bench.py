@@ -97,7 +97,8 @@ def test_suite_rows_hold_unseen_prompts_of_each_task_type(tmp_path):
                {"id": "t3", "category": "translation", "turns": ["Translate: oiseau"]},
                {"id": "s1", "category": "summarization", "turns": ["Summarize: ..."]},
                {"id": "q0", "category": "qa", "source": "trivia", "turns": ["Who?"]},  # no passage: not passage-qa
-               {"id": "q1", "category": "qa", "source": "x (passage; template)", "turns": ["Read: ... Who?"]},
+               {"id": "x1", "category": "extraction", "source": "x (passage)", "turns": ["List the names: ..."]},
+               {"id": "q1", "category": "stem", "source": "x (passage; template)", "turns": ["Read: ... Who?"]},
                {"id": "m1", "category": "math", "turns": ["3 apples..."]},
                {"id": "c1", "category": "coding", "turns": ["Write a function"]}]
     prompts = tmp_path / "prompts.jsonl"

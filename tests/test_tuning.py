@@ -79,6 +79,9 @@ def test_probe_picks_the_faster_route(monkeypatch):
     monkeypatch.setitem(speed.ROUTES, "aten", lambda x, w, b: time.sleep(1e-4) or torch.nn.functional.linear(x, w, b))
     routes = speed.probe_routes(model, widths=(1, 4, 16), rounds=3)
     assert routes.choice["torch.float32"] == ("packed", "packed", "aten")
+    packed, aten = routes.times["torch.float32"]["packed"], routes.times["torch.float32"]["aten"]
+    assert packed[0] < aten[0] and packed[2] > aten[2]
+    assert "float32 packed" in routes.table()
 
 
 def test_probe_chooses_a_tree_caches_it_and_a_second_process_reuses_it(probing, monkeypatch):
@@ -133,5 +136,5 @@ def test_calibrate_probe_command(probing, tmp_path):
     command = [sys.executable, "-m", "medusa_heads.cli", "calibrate", "--probe", "--base", str(base)]
     out = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert "tuning (probed in" in out.stderr and "routes by rows" in out.stderr
+    assert "tuning (probed in" in out.stderr and "routes by rows" in out.stderr and "float32 aten" in out.stderr
     assert len(list(probing.glob("*.json"))) == 1
