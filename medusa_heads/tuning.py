@@ -31,14 +31,15 @@ import torch
 from tqdm import tqdm
 
 from . import speed
-from .calibrate import SIZES, choose
+from .calibrate import choose
 from .default import cache_dir
 from .tree import Tree
 
 NOTABLE_ISA = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_ne_convert", "amx_tile",
                "amx_bf16", "amx_int8", "neon", "asimd", "sve")  # reported, never used to decide
-ROUTE_ROUNDS = 5  # kernel-route timing rounds in the probe
+ROUTE_ROUNDS = 3  # kernel-route timing rounds in the probe
 ROUNDS, STEPS = 3, 6  # cost-curve rounds and timed steps per tree in the probe
+SIZES = (0, 1, 2, 4, 6, 8, 12, 16, 24, 32, 64)  # head nodes of the trees the probe measures (fewer than calibrate's)
 PROBE_PROMPT = 48  # tokens of the (seeded random) prompt the probe decodes from
 
 
@@ -169,7 +170,7 @@ def probe(model, description: dict) -> Tuning:
             model.tuning = Tuning(description, routes, None, None, None, 0.0)  # the curve is measured with them
             ids = torch.randint(model.config.get_text_config().vocab_size, (1, PROBE_PROMPT),
                                 generator=torch.Generator().manual_seed(0)).to(model.device)
-            result = choose(model, record, ids, steps=STEPS, rounds=ROUNDS, progress=bar.update)
+            result = choose(model, record, ids, sizes=list(SIZES), steps=STEPS, rounds=ROUNDS, progress=bar.update)
             tree, cost_curve, table = result["tree"], result["cost_curve"], result["table"]
             tree.name = "auto"
     return Tuning(description, routes, tree, cost_curve, table, time.perf_counter() - start)
