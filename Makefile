@@ -4,13 +4,18 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: demo test test-fast lint clean
 
 demo: $(STAMP)
 	$(BIN)/medusa demo
 
+# everything, with the coverage of each module (what CI runs)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --cov=medusa_heads --cov-report=term
+
+# the inner loop: everything but the slow tier (processes, torchrun, fuzzing, compiling) and the real model
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow and not integration"
 
 lint: $(STAMP)
 	$(BIN)/ruff check medusa_heads tests

@@ -92,6 +92,7 @@ def test_calibrate_on_a_tiny_model(next_token):
     assert torch.equal(out.sequences, model.generate(prompts[0], max_new_tokens=16, tree="plain").sequences)
 
 
+@pytest.mark.slow
 def test_calibrate_command(tmp_path):
     base = tmp_path / "base"
     tiny_model("llama").float().save_pretrained(base)

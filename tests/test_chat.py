@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from medusa_heads import MedusaModel
 
 
@@ -34,6 +36,7 @@ class Terminal:
         os.write(self.master, (line + "\n").encode())
 
 
+@pytest.mark.slow
 def test_chat_session(tiny_folder):
     library = MedusaModel.from_pretrained(tiny_folder, projection="shared")
     term = Terminal([sys.executable, "-m", "medusa_heads.cli", "chat", "--base", str(tiny_folder),

@@ -4,7 +4,9 @@ import json
 import subprocess
 import sys
 
-from medusa_heads.cli import COMMANDS
+import pytest
+
+from medusa_heads.cli import COMMANDS, build_parser
 
 
 def medusa(*args: str) -> subprocess.CompletedProcess:
@@ -12,15 +14,17 @@ def medusa(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-def test_help_lists_every_subcommand():
-    out = medusa("--help")
+def test_help_lists_every_subcommand(capsys):
+    out = medusa("--help")  # the console command itself, once
     assert out.returncode == 0
-    for name in COMMANDS:
+    for name in COMMANDS:  # each subcommand's help in this process (a process each costs ~8 s of imports)
         assert name in out.stdout
-        sub = medusa(name, "--help")
-        assert sub.returncode == 0 and "usage: medusa " + name in sub.stdout
+        with pytest.raises(SystemExit) as exit_:
+            build_parser().parse_args([name, "--help"])
+        assert exit_.value.code == 0 and "usage: medusa " + name in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_generate_json(tiny_folder):
     args = ["generate", "c d e", "--base", str(tiny_folder), "--raw", "--json", "--max-new-tokens", "12",
             "--tree", "chain-3"]
@@ -35,13 +39,17 @@ def test_generate_json(tiny_folder):
     assert json.loads(compiled.stdout)["text"] == result["text"] and "--compile" in compiled.stderr
 
 
+@pytest.mark.slow
 def test_generate_streams_text(tiny_folder):
-    out = medusa("generate", "c d e", "--base", str(tiny_folder), "--raw", "--max-new-tokens", "8",
-                 "--acceptance", "exact", "--seed", "1")
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip()
+    args = ["generate", "c d e", "--base", str(tiny_folder), "--raw", "--max-new-tokens", "8", "--acceptance",
+            "exact", "--seed", "1"]
+    streamed, whole = medusa(*args), medusa(*args, "--json")
+    assert streamed.returncode == 0 == whole.returncode, streamed.stderr + whole.stderr
+    text = json.loads(whole.stdout)["text"]
+    assert text.strip() and streamed.stdout == text + "\n"  # the pieces add up to the whole answer
 
 
+@pytest.mark.slow
 def test_user_errors_are_one_line_and_exit_2(tiny_folder):
     out = medusa("generate", "c", "--base", str(tiny_folder), "--tree", "nope")
     assert out.returncode == 2
@@ -50,6 +58,7 @@ def test_user_errors_are_one_line_and_exit_2(tiny_folder):
     assert out.returncode == 2 and "does not exist" in out.stderr
 
 
+@pytest.mark.slow
 def test_train_on_the_default_base_builds_fresh_heads(tiny_folder, tmp_path, monkeypatch):
     """Without --heads, `medusa train` makes the heads it is asked for, not the shipped ones."""
     from medusa_heads import MedusaModel, cli, default

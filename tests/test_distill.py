@@ -34,6 +34,7 @@ def check_output(path, count):
         assert roles == (["human", "gpt"] * (2 if i % 3 == 0 else 1))
 
 
+@pytest.mark.slow
 def test_multi_turn_answers_see_the_model_s_own_history(tmp_path, tiny_folder):
     model = MedusaModel.from_pretrained(tiny_folder, num_heads=2)
     prompts_file, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
@@ -70,6 +71,7 @@ def test_bad_prompt_files(tmp_path):
     assert read_prompts(sharegpt) == [("x", ["a b"])]
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_then_rerun_completes_exactly_once(tmp_path, tiny_folder):
     prompts_file, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
     count = 120

@@ -6,6 +6,8 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 from server import Server
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def api(tiny_folder):

@@ -184,6 +184,7 @@ def test_bad_arguments():
     assert model.generate(ids, max_new_tokens=3).steps >= 1  # default tree falls back to a chain of 2
 
 
+@pytest.mark.slow
 def test_compiled_decoding_equals_eager():
     """torch.compile'd verification passes (dynamic batch, tree size and cache length) give the same tokens."""
     model = medusa_tiny("llama")

@@ -1,6 +1,6 @@
 """Prompt lookup drafts what followed the latest earlier occurrence of the last few tokens."""
 
-from medusa_heads.lookup import MIN_NGRAM, continuation
+from medusa_heads.lookup import MIN_NGRAM, continuation, first_difference
 
 
 def test_the_latest_occurrence_of_the_longest_suffix_wins():
@@ -19,3 +19,9 @@ def test_no_draft_without_a_long_enough_match():
     short = list(range(MIN_NGRAM - 1))
     assert continuation([*short, 99, *short], 4) == []  # a match shorter than MIN_NGRAM does not count
     assert continuation([], 4) == [] and continuation([1, 2, 3], 0) == []
+
+
+def test_first_difference_counts_the_right_tokens_of_a_draft():
+    assert first_difference([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert first_difference([1, 2], [1, 2, 3]) == 2  # all of a draft shorter than what was emitted
+    assert first_difference([1, 2, 3], [1]) == 1 and first_difference([], [1]) == 0

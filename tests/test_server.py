@@ -87,12 +87,17 @@ def test_completions_and_stop(server, client, library):
     assert reply.choices[0].finish_reason == "stop"
 
 
-def test_sampling_with_a_seed_is_reproducible(server, client):
+def test_sampling_with_a_seed_is_reproducible(server, client, library):
     ask = dict(model=server.model, messages=PROMPTS[3], max_tokens=16, temperature=0.9, seed=7)
-    first = client.chat.completions.create(**ask).choices[0].message.content
-    assert client.chat.completions.create(**ask).choices[0].message.content == first
-    typical = client.chat.completions.create(**ask, extra_body={"acceptance": "typical"})
-    assert typical.choices[0].finish_reason in ("stop", "length")
+    ids = library.chat_ids(PROMPTS[3])
+    for acceptance in ("exact", "typical"):  # the server's default at temperature > 0, then the paper's rule
+        extra = {} if acceptance == "exact" else {"extra_body": {"acceptance": "typical"}}
+        first = client.chat.completions.create(**ask, **extra).choices[0].message.content
+        assert client.chat.completions.create(**ask, **extra).choices[0].message.content == first
+        expected = library.generate(ids, max_new_tokens=16, acceptance=acceptance, temperature=0.9, seed=7)
+        assert first == expected.texts[0], acceptance  # the library's draws from the same seed
+    other = library.generate(ids, max_new_tokens=16, acceptance="typical", temperature=0.9, seed=8).texts[0]
+    assert other != first  # the seed is what makes it reproducible
 
 
 def error_of(response: httpx.Response) -> dict:

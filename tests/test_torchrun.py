@@ -5,10 +5,13 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
 from tiny import tiny_model, tiny_tokenizer
 
 from medusa_heads import MedusaModel
+
+pytestmark = pytest.mark.slow
 
 
 def test_train_with_torchrun_two_processes(tmp_path):

@@ -129,6 +129,7 @@ def test_record_travels_with_the_heads(tmp_path):
     assert loaded.record == model.record
 
 
+@pytest.mark.slow
 def test_calibrate_probe_command(probing, tmp_path):
     base = tmp_path / "base"
     tiny_model("llama").float().save_pretrained(base)
