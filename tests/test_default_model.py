@@ -45,3 +45,19 @@ def test_shipped_heads_load_by_default_and_accept_several_tokens_per_step():
         assert out.new_tokens == model.generate(ids, max_new_tokens=64, tree="plain").new_tokens
         accepted.append(out.mean_accepted_length)
     assert sum(accepted) / len(accepted) > 1.2, accepted  # untrained heads stay near 1.0
+
+
+def test_the_gguf_converts_once_into_the_cache(default_model, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from medusa_heads import default
+
+    monkeypatch.setenv("MEDUSA_HEADS_CACHE", str(tmp_path))
+    folder = default.default_base_dir()  # a fresh cache: converted from the package's GGUF now
+    assert folder == tmp_path / default.DEFAULT_NAME and (folder / "config.json").exists()
+    assert not list(tmp_path.glob("tmp*"))  # the conversion's temporary folder is gone
+    converted = AutoModelForCausalLM.from_pretrained(folder)
+    for name, weight in default_model.base_model.state_dict().items():
+        assert torch.equal(converted.state_dict()[name], weight), name
+    monkeypatch.setattr(default, "convert_gguf", lambda *a: pytest.fail("converted twice"))
+    assert default.default_base_dir() == folder
