@@ -14,6 +14,7 @@ from medusa_heads import Tree
 from medusa_heads.calibrate import (
     LOOKUPS,
     TOLERANCE,
+    Record,
     best_trees,
     calibrate,
     interpolate,
@@ -103,11 +104,15 @@ def test_calibrate_command(tmp_path):
     trained_on.write_text(json.dumps({"id": "1", "conversations": []}) + "\n")
     out = subprocess.run([sys.executable, "-m", "medusa_heads.cli", "calibrate", "--base", str(base), "--prompts",
                           str(prompts), "--out", str(tmp_path / "tree.json"), "--max-new-tokens", "12",
-                          "--max-nodes", "8", "--exclude", str(trained_on)],
+                          "--max-nodes", "8", "--exclude", str(trained_on), "--record", str(tmp_path / "replay.json")],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "replayed accepted length / speed-up" in out.stdout and "tree written" in out.stdout
     assert "greedy answers to 2 prompts" in out.stdout  # the training prompt is held out
     saved = json.loads((tmp_path / "tree.json").read_text())
     assert {"paths", "table", "accuracy_top_r"} <= set(saved)
-    assert Tree.load(tmp_path / "tree.json").size >= 1
+    tree = Tree.load(tmp_path / "tree.json")
+    chose = f"chose {tree.head_size - 1} head nodes (depth {tree.depth}) and a lookup branch of {tree.lookup}"
+    assert chose in out.stdout
+    record = Record.load(tmp_path / "replay.json")  # what tree=auto chooses from elsewhere
+    assert len(record.answers) == 2 and record.max_new_tokens == 12 and record.accuracy_top_r == saved["accuracy_top_r"]
