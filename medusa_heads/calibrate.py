@@ -31,6 +31,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -74,7 +75,9 @@ class Record:
         answers = [Steps([tuple(r) for r in a["ranks"]], [tuple(d) for d in a["drafts"]]) for a in data["answers"]]
         return cls(data["accuracy_top_r"], data["targets"], answers, data["max_new_tokens"])
 
+    @cached_property
     def fingerprint(self) -> str:
+        """A hash of the whole record, computed once (every decoder's tuning key holds it)."""
         return hashlib.sha256(json.dumps(asdict(self)).encode()).hexdigest()[:16]
 
 

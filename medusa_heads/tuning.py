@@ -94,7 +94,7 @@ def machine(model) -> dict:
     cpu, flags = _cpu_info()
     device = model.device
     record = model.record
-    heads = json.dumps(model.heads.config.to_dict(), sort_keys=True) + (record.fingerprint() if record else "")
+    heads = json.dumps(model.heads.config.to_dict(), sort_keys=True) + (record.fingerprint if record else "")
     return {"cpu": cpu, "isa": [f for f in NOTABLE_ISA if f in flags],
             "cpu_flags": hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:16],
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
