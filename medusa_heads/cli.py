@@ -86,8 +86,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if args.tree != "auto":
         Tree.load(args.tree)  # a bad tree fails before the model loads
     model = load_model(args)
-    if args.tree == "auto":
-        report_tuning(model)
+    report_tuning(model)  # (decoding probes a new machine whatever the tree: the kernel routes)
     if args.raw:
         ids = model.require_tokenizer()(args.prompt, return_tensors="pt")["input_ids"].to(model.device)
     else:
@@ -306,8 +305,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from .serve.app import create_app
 
     model = load_model(args)
-    if args.tree == "auto":
-        report_tuning(model)
+    report_tuning(model)
     app = create_app(model, args.max_concurrency, args.max_queue, args.max_new_tokens_limit, args.tree)
     print(f"serving on http://{args.host}:{args.port}/v1 with tree {app.state.engine.tree}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -330,8 +328,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
     from .chat import run_chat
 
     model = load_model(args)
-    if args.tree == "auto":
-        report_tuning(model)
+    report_tuning(model)
     run_chat(model, decoding_kwargs(args))
 
 
