@@ -13,6 +13,14 @@ use and remade when the weight changes; a model whose copies would not fit in ha
 decodes without them. Set MEDUSA_HEADS_PACKED_WEIGHTS=0 to turn packing off. Transformers' own
 generate is untouched: routes apply within a decoding step only.
 
+Grouped attention: with grouped-query attention (fewer key/value heads than query heads) and a tree
+mask, transformers' sdpa attention copies every key/value head once per query head it serves, per
+layer and pass (SmolLM2-135M: 3x its cache read each step). Within a decoding step on a CPU, sdpa
+reads the shared heads in place instead (`enable_gqa`): on a 2-core AMD EPYC, 30 layers of a
+21-token tree over 2000 cached tokens take 40 ms instead of 94. Outside a step, and on a GPU (where
+a mask with `enable_gqa` falls back to the slow math kernel), transformers' function runs as is.
+Set MEDUSA_HEADS_GROUPED_ATTENTION=0 to turn it off.
+
 Compiled decoding passes (opt-in: `MedusaModel.compile_decoding()`, `--compile`): the decoder's
 verification passes run through torch.compile, which fuses the many small operations around the
 matrix products (norms, rotary embeddings, residuals, cache writes) that eager mode runs one by one.
@@ -40,8 +48,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.weak import WeakIdKeyDictionary
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 ENABLED = os.environ.get("MEDUSA_HEADS_PACKED_WEIGHTS", "1") != "0" and torch.backends.mkldnn.is_available()
+GROUPED_ATTENTION = os.environ.get("MEDUSA_HEADS_GROUPED_ATTENTION", "1") != "0"
 ROUTED_DTYPES = (torch.float32, torch.bfloat16)
 PROBE_WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # rows per product that `probe_routes` times
 _packed = WeakIdKeyDictionary()  # weight -> (its version when packed, its packed copy)
@@ -120,15 +131,33 @@ def _(x, weight, bias):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, by the chosen kernel route on a CPU within a decoding step (a compiled graph only runs in one)."""
-    compiling = torch.compiler.is_compiling()  # the context variable cannot be traced
     routed = x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in ROUTED_DTYPES
-    if ENABLED and routed and (compiling or _in_step.get() is not None):
-        return (_routed_linear_op if compiling else _routed_linear)(x, weight, bias)
+    if ENABLED and routed and _inside_step():
+        return (_routed_linear_op if torch.compiler.is_compiling() else _routed_linear)(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def _module_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, module.weight, module.bias)
+
+
+def _inside_step() -> bool:
+    """Whether this runs within a decoding step (a compiled graph only runs in one: the context variable
+    cannot be traced)."""
+    return torch.compiler.is_compiling() or _in_step.get() is not None
+
+
+def grouped_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa attention, except within a decoding step on a CPU, where a masked pass of several
+    queries over grouped key/value heads reads them in place rather than repeated per query head."""
+    plain = kwargs.get("dropout", 0.0) == 0.0 and not kwargs.keys() & {"softcap", "position_bias", "s_aux"}
+    grouped = query.shape[1] != key.shape[1] and query.shape[2] > 1 and attention_mask is not None
+    if not (plain and grouped and query.device.type == "cpu" and _inside_step()):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=kwargs.get("scaling"),
+                                         enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _free_memory() -> float:
@@ -147,7 +176,9 @@ def cpu_linears(model: nn.Module) -> list[nn.Linear]:
 
 def install(model: nn.Module) -> None:
     """Give the model's CPU linear layers the routed product, if their packed copies fit in half the free
-    memory (idempotent; no-op when switched off)."""
+    memory, and sdpa attention the grouped route (idempotent; no-op when switched off)."""
+    if GROUPED_ATTENTION:
+        AttentionInterface.register("sdpa", grouped_attention)
     if not ENABLED:
         return
     layers = [layer for layer in cpu_linears(model) if "forward" not in vars(layer)]

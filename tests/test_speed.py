@@ -1,4 +1,5 @@
-"""The packed-weight route computes what F.linear computes, and follows changes of the weight."""
+"""The speed levers compute what they replace: the packed-weight route (and it follows changes of the
+weight), grouped attention."""
 
 import pytest
 import torch
@@ -48,3 +49,24 @@ def test_no_packed_route_when_the_copies_do_not_fit(monkeypatch):
     monkeypatch.setattr(speed, "_free_memory", lambda: 4 * layer.weight.nbytes)
     speed.install(layer)
     assert "forward" in vars(layer)
+
+
+@pytest.mark.skipif(not speed.GROUPED_ATTENTION, reason="grouped attention switched off")
+@pytest.mark.parametrize("queries", [1, 5])
+def test_grouped_attention_reads_shared_heads_in_place(queries, monkeypatch):
+    from transformers.integrations import sdpa_attention
+
+    torch.manual_seed(0)
+    module = nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    query, key, value = torch.randn(2, 6, queries, 8), torch.randn(2, 2, 11, 8), torch.randn(2, 2, 11, 8)
+    mask = torch.where(torch.rand(2, 1, queries, 11) > 0.3, 0.0, torch.finfo(torch.float32).min)
+    expected, _ = sdpa_attention.sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    repeats, repeat_kv = [], sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *a: repeats.append(1) or repeat_kv(*a))
+    with speed.decoding_step():
+        got, _ = speed.grouped_attention(module, query, key, value, mask, scaling=0.3)
+    assert not repeats  # no copy of the key/value heads per query head
+    torch.testing.assert_close(got, expected)
+    speed.grouped_attention(module, query, key, value, mask, scaling=0.3)  # outside a step: transformers' own
+    assert repeats == ([1, 1] if queries > 1 else [])  # keys and values
