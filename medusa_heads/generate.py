@@ -83,7 +83,7 @@ class Decoder:
         from .tuning import tuning  # (it decodes to measure)
 
         self.model, self.tree, self.device, self.adapt = model, tree, model.device, adapt
-        speed.install(model)
+        model.install_speed_levers()
         tuned = tuning(model)
         self.routes = tuned.routes if tuned else None  # the kernel route of each product, as probed here
         self.full = _Buffers(tree, self.device)

@@ -82,6 +82,12 @@ class MedusaModel(nn.Module):
                 record = Record.load(Path(heads) / Record.FILE)
         return cls(base_model.eval(), medusa_heads.eval(), tokenizer, record)
 
+    def install_speed_levers(self) -> None:
+        """Give decoding steps the speed levers of `medusa_heads.speed` (once; a one-token forward shows
+        which linear layers read the same input)."""
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        speed.install(self, sample=lambda: self.base_model(input_ids=ids, use_cache=False))
+
     def compile_decoding(self) -> MedusaModel:
         """Run decoding passes through torch.compile from now on (see `medusa_heads.speed`): faster
         steps, after a compile of a few minutes on a small CPU at the first passes."""

@@ -163,7 +163,7 @@ def probe(model, description: dict) -> Tuning:
     dtypes = {layer.weight.dtype for layer in speed.cpu_linears(model)} if speed.ENABLED else set()
     runs = ROUTE_ROUNDS * len(dtypes) + (ROUNDS * (len(SIZES) + 1) if record else 0)
     with tqdm(total=runs, desc="probing this machine (once)", unit="run", leave=False) as bar:
-        speed.install(model)
+        model.install_speed_levers()
         routes = speed.probe_routes(model, rounds=ROUTE_ROUNDS, progress=bar.update)
         tree = cost_curve = table = None
         if record is not None:

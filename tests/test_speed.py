@@ -1,8 +1,9 @@
 """The speed levers compute what they replace: the packed-weight route (and it follows changes of the
-weight), grouped attention."""
+weight), fused siblings, grouped attention."""
 
 import pytest
 import torch
+from conftest import ARCHS, hf_greedy, medusa_tiny
 from torch import nn
 from torch.nn import functional as F
 
@@ -39,6 +40,38 @@ def test_packed_weight_follows_updates():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
 
 
+class Block(nn.Module):
+    """Three layers that read one input (fused), one that reads their sum (alone)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = nn.Linear(32, 16), nn.Linear(32, 16), nn.Linear(32, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.o(self.q(x) + 2 * self.k(x) + 3 * self.v(x))
+
+
+@pytest.mark.skipif(not speed.ENABLED, reason="packed weights switched off or oneDNN missing")
+def test_fused_siblings_compute_their_own_products_and_follow_updates():
+    torch.manual_seed(0)
+    block, x = Block(), torch.randn(3, 32)
+    speed.install(block, sample=lambda: block(x))
+    group = vars(block.q)["forward"].args[0]
+    assert group.layers == [block.q, block.k, block.v] and vars(block.o)["forward"].func is speed._module_linear
+
+    def reference():
+        q, k, v = (F.linear(x, layer.weight, layer.bias) for layer in (block.q, block.k, block.v))
+        return F.linear(q + 2 * k + 3 * v, block.o.weight, block.o.bias)
+
+    with torch.no_grad(), speed.decoding_step():
+        torch.testing.assert_close(block(x), reference())
+        block.v.weight.mul_(2)  # one sibling changes in place
+        torch.testing.assert_close(block(x), reference())
+        y = torch.randn(3, 32)
+        block.q(x)  # a sibling called on another input than the first one's computes its own product
+        torch.testing.assert_close(block.k(y), F.linear(y, block.k.weight, block.k.bias))
+
+
 @pytest.mark.skipif(not speed.ENABLED, reason="packed weights switched off or oneDNN missing")
 def test_no_packed_route_when_the_copies_do_not_fit(monkeypatch):
     layer = nn.Linear(32, 16)
@@ -70,3 +103,33 @@ def test_grouped_attention_reads_shared_heads_in_place(queries, monkeypatch):
     torch.testing.assert_close(got, expected)
     speed.grouped_attention(module, query, key, value, mask, scaling=0.3)  # outside a step: transformers' own
     assert repeats == ([1, 1] if queries > 1 else [])  # keys and values
+
+
+@pytest.mark.skipif(not speed.ENABLED, reason="packed weights switched off or oneDNN missing")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_levers_keep_greedy_exact_in_float32(arch, monkeypatch):
+    """float32 decoding takes every lever (routed products, fused siblings, grouped attention) and still
+    gives transformers' greedy tokens."""
+    from transformers.integrations import sdpa_attention
+
+    model = medusa_tiny(arch, seed=5).float()
+    repeats, repeat_kv = [], sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *a: repeats.append(1) or repeat_kv(*a))
+    ids = torch.tensor([[3, 4, 5, 6, 7, 3, 4, 5]])
+    expected = hf_greedy(model.base_model, ids, 20)
+    repeats.clear()
+    for tree in ["plain", "reference", "default+lookup4"]:
+        out = model.generate(ids, max_new_tokens=20, tree=tree, eos_token_id=[])
+        assert torch.equal(out.sequences, expected), tree
+    forwards = [vars(layer)["forward"] for layer in speed.cpu_linears(model)]
+    groups = {f.args[0] for f in forwards if f.func is speed._sibling_linear}
+    assert all(g._fused is not None for g in groups)  # each group's one product ran
+    assert len(groups) == SIBLINGS[arch]
+    if model.config._attn_implementation == "sdpa":
+        assert not repeats  # grouped attention read the shared heads
+
+
+# per family, the runs of layers that read one input (2 layers: q/k/v and gate/up each); Phi-3, GPT-NeoX and GPT-2
+# already fuse them in their weights
+SIBLINGS = {"llama": 4, "mistral": 4, "qwen2": 4, "qwen3": 4, "gemma2": 4, "gemma3": 4, "phi3": 0, "gpt2": 0,
+            "gpt_neox": 0}
