@@ -149,6 +149,12 @@ def _module_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, module.weight, module.bias)
 
 
+def levers() -> list[str]:
+    """The speed levers switched on (they change what a step costs)."""
+    on = {"packed": ENABLED, "fused": ENABLED and FUSED, "grouped-attention": GROUPED_ATTENTION}
+    return [name for name, enabled in on.items() if enabled]
+
+
 def _inside_step() -> bool:
     """Whether this runs within a decoding step (a compiled graph only runs in one: the context variable
     cannot be traced)."""
@@ -253,7 +259,7 @@ def _sibling_linear(group: Siblings, i: int, x: torch.Tensor) -> torch.Tensor:
     layer = group.layers[i]
     if not _inside_step():
         return F.linear(x, layer.weight, layer.bias)
-    if not FUSED:
+    if not FUSED or torch.compiler.is_compiling():
         return linear(x, layer.weight, layer.bias)
     if i == 0:
         outputs = linear(x, *group.fused()).split(group.sizes, dim=-1)

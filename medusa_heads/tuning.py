@@ -10,7 +10,8 @@ model on a machine, a short probe (under a minute for the default model) measure
    written by `medusa calibrate`) replayed under that curve (`calibrate.choose`).
 
 The result is cached in the user cache (`default.cache_dir()/tuning`), keyed by what it depends on:
-CPU model and ISA flags (or GPU), threads, torch version, base model, dtype, device and heads.
+CPU model and ISA flags (or GPU), threads, torch version, base model, dtype, device, heads, the
+speed levers switched on and the probe's version.
 `medusa calibrate --probe` measures again. MEDUSA_HEADS_TUNE=0 turns the probe off: then the
 shipped tree and the unprobed routes. Heads without a replay record get the probed routes and the
 shipped tree (or the deepest chain they allow).
@@ -41,6 +42,7 @@ ROUTE_ROUNDS = 3  # kernel-route timing rounds in the probe
 ROUNDS, STEPS = 3, 6  # cost-curve rounds and timed steps per tree in the probe
 SIZES = (0, 1, 2, 4, 6, 8, 12, 16, 24, 32, 64)  # head nodes of the trees the probe measures (fewer than calibrate's)
 PROBE_PROMPT = 48  # tokens of the (seeded random) prompt the probe decodes from
+PROBE_VERSION = 2  # raised when what a decoding step computes changes (2: fused siblings, grouped attention)
 
 
 @dataclass
@@ -102,7 +104,8 @@ def machine(model) -> dict:
             "model": Path(model.base_name).name,
             "model_config": hashlib.sha256(model.config.to_json_string().encode()).hexdigest()[:16],
             "dtype": str(model.base_model.dtype).removeprefix("torch."),
-            "heads": hashlib.sha256(heads.encode()).hexdigest()[:16]}
+            "heads": hashlib.sha256(heads.encode()).hexdigest()[:16], "levers": speed.levers(),
+            "probe": PROBE_VERSION}
 
 
 @functools.cache
