@@ -342,4 +342,12 @@ def _works(route: Callable, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 def compiled_decoder(body: nn.Module):
     """body's forward (the decoder that returns last hidden states) through torch.compile, with dynamic shapes."""
-    return torch.compile(body.forward, dynamic=True)
+    compiled = torch.compile(body.forward, dynamic=True)
+
+    def forward(*args, **kwargs):
+        # python floats (norm epsilons, scales) as constants: else dynamo traces them as symbols, then
+        # specializes them and traces the whole model again (twice the compile time)
+        with torch._dynamo.config.patch(specialize_float=True):
+            return compiled(*args, **kwargs)
+
+    return forward
