@@ -13,7 +13,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 
 class TreeCacheLayer(CacheLayerMixin):
-    """One attention layer's buffers: keys/values of shape (B, kv_heads, max_len, head_dim)."""
+    """One attention layer's view of the cache, for transformers' queries (sizes); the buffers are the cache's."""
 
     is_compileable = False
     is_sliding = False
@@ -23,28 +23,10 @@ class TreeCacheLayer(CacheLayerMixin):
         self.owner = owner
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch, heads, size = self.owner.lengths.shape[0], key_states.shape[1], self.owner.max_len
-        kw = dict(dtype=key_states.dtype, device=key_states.device)
-        self.keys = torch.zeros(batch, heads, size, key_states.shape[-1], **kw)
-        self.values = torch.zeros(batch, heads, size, value_states.shape[-1], **kw)
-        self.is_initialized = True
+        self.owner.allocate(key_states, value_states)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        rows, slots = self.owner.write_index  # (B, 1), (B, q)
-        # keys[rows, :, slots] has shape (B, q, kv_heads, head_dim)
-        self.keys[rows, :, slots] = key_states.transpose(1, 2)
-        self.values[rows, :, slots] = value_states.transpose(1, 2)
-        span = self.owner.visible
-        if self.owner.subset is not None:
-            return self.keys[self.owner.subset, :, :span], self.values[self.owner.subset, :, :span]
-        return self.keys[:, :, :span], self.values[:, :, :span]
-
-    def commit(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy slots src -> dst in each row; both (B, a)."""
-        self.keys[rows, :, dst] = self.keys[rows, :, src]
-        self.values[rows, :, dst] = self.values[rows, :, src]
+        raise NotImplementedError("TreeCache.update writes every layer")
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.owner.visible, 0
@@ -57,7 +39,9 @@ class TreeCacheLayer(CacheLayerMixin):
 
 
 class TreeCache(Cache):
-    """KV cache for one batch of sequences, sized to what the request needs."""
+    """KV cache for one batch of sequences, sized to what the request needs: the keys/values of all layers
+    in one buffer each, (layers, B, kv_heads, max_len, head_dim), so that keeping the accepted tokens is
+    one operation for all layers."""
 
     def __init__(self, num_layers: int, batch_size: int, max_len: int, device: torch.device):
         self.max_len = max_len
@@ -65,7 +49,32 @@ class TreeCache(Cache):
         self.write_index: tuple[torch.Tensor, torch.Tensor] | None = None
         self.visible = max_len  # slots the attention reads this pass (the rest is unused)
         self.subset: torch.Tensor | None = None  # the rows this pass runs on (None: all)
+        self.keys = self.values = None  # made at the first update, when the shapes are known
         super().__init__(layers=[TreeCacheLayer(self) for _ in range(num_layers)])
+
+    def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads = self.lengths.shape[0], key_states.shape[1]
+        kw = dict(dtype=key_states.dtype, device=key_states.device)
+        self.keys = torch.zeros(len(self.layers), batch, heads, self.max_len, key_states.shape[-1], **kw)
+        self.values = torch.zeros(len(self.layers), batch, heads, self.max_len, value_states.shape[-1], **kw)
+        for layer in self.layers:
+            layer.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self.keys is None:
+            self.allocate(key_states, value_states)
+        if key_states.shape[1] != self.keys.shape[2] or key_states.shape[-1] != self.keys.shape[-1]:
+            raise ValueError("this model's attention layers differ in key/value heads or head size, "
+                             "which the tree cache does not support")
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        rows, slots = self.write_index  # (B, 1), (B, q)
+        # keys[rows, :, slots] has shape (B, q, kv_heads, head_dim)
+        keys[rows, :, slots] = key_states.transpose(1, 2)
+        values[rows, :, slots] = value_states.transpose(1, 2)
+        span = self.visible
+        if self.subset is not None:
+            return keys[self.subset, :, :span], values[self.subset, :, :span]
+        return keys[:, :, :span], values[:, :, :span]
 
     def prepare(self, query_length: int, visible: int, rows: torch.Tensor | None = None) -> None:
         """Set where the next pass writes its `query_length` tokens, and how many slots it reads;
@@ -87,12 +96,11 @@ class TreeCache(Cache):
         size = max(self.max_len, other.max_len)
 
         def pad(t: torch.Tensor) -> torch.Tensor:
-            return torch.nn.functional.pad(t, (0, 0, 0, size - t.shape[2]))
+            return torch.nn.functional.pad(t, (0, 0, 0, size - t.shape[3]))
 
-        for mine, theirs in zip(self.layers, other.layers, strict=True):
-            if mine.is_initialized and theirs.is_initialized:
-                mine.keys = torch.cat([pad(mine.keys), pad(theirs.keys)])
-                mine.values = torch.cat([pad(mine.values), pad(theirs.values)])
+        if self.keys is not None and other.keys is not None:
+            self.keys = torch.cat([pad(self.keys), pad(other.keys)], dim=1)
+            self.values = torch.cat([pad(self.values), pad(other.values)], dim=1)
         self.lengths = torch.cat([self.lengths, other.lengths])
         self.max_len = size
 
@@ -105,10 +113,9 @@ class TreeCache(Cache):
         moved = (index != torch.arange(len(index), device=index.device)).nonzero().squeeze(1)
         source = index[moved]
         self.lengths = self.lengths[index]
-        for layer in self.layers:
-            if layer.is_initialized:
-                layer.keys[moved], layer.values[moved] = layer.keys[source], layer.values[source]
-                layer.keys, layer.values = layer.keys[: len(index)], layer.values[: len(index)]
+        if self.keys is not None:
+            self.keys[:, moved], self.values[:, moved] = self.keys[:, source], self.values[:, source]
+            self.keys, self.values = self.keys[:, : len(index)], self.values[:, : len(index)]
 
     def commit(self, counts: torch.Tensor, keep: torch.Tensor | None = None) -> None:
         """Keep, per row, the first counts[b] of the tokens the last pass wrote.
@@ -116,11 +123,10 @@ class TreeCache(Cache):
         keep (B, a): keep[b, j] is an offset into those tokens, moved to offset j; None when the kept
         tokens already sit in order (a prefill, or a tree of the root alone).
         """
-        if keep is not None:
+        if keep is not None and self.keys is not None:
             rows = torch.arange(keep.shape[0], device=keep.device)[:, None]
             base = self.lengths[:, None]
-            offsets = torch.arange(keep.shape[1], device=keep.device)
-            for layer in self.layers:
-                if layer.is_initialized:
-                    layer.commit(rows, base + keep, base + offsets)
+            src, dst = base + keep, base + torch.arange(keep.shape[1], device=keep.device)
+            self.keys[:, rows, :, dst] = self.keys[:, rows, :, src]
+            self.values[:, rows, :, dst] = self.values[:, rows, :, src]
         self.lengths += counts

@@ -49,7 +49,6 @@ from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 from torch import nn
@@ -145,8 +144,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def _module_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return linear(x, module.weight, module.bias)
+class RoutedLinear(nn.Linear):
+    """An nn.Linear whose products take the kernel route within a decoding step (`install` gives a layer
+    this class; one class, so that one compiled graph serves every layer). `siblings`: the group the
+    layer belongs to, if any."""
+
+    siblings: Siblings | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() or self.siblings is None or not FUSED or not _inside_step():
+            return linear(x, self.weight, self.bias)
+        return self.siblings.product(self, x)
 
 
 def levers() -> list[str]:
@@ -184,7 +192,7 @@ def _free_memory() -> float:
 
 def cpu_linears(model: nn.Module) -> list[nn.Linear]:
     """The model's linear layers whose products take a kernel route."""
-    return [module for module in model.modules() if type(module) is nn.Linear
+    return [module for module in model.modules() if type(module) in (nn.Linear, RoutedLinear)
             and module.weight.device.type == "cpu" and module.weight.dtype in ROUTED_DTYPES]
 
 
@@ -196,7 +204,7 @@ def install(model: nn.Module, sample: Callable[[], object] | None = None) -> Non
         AttentionInterface.register("sdpa", grouped_attention)
     if not ENABLED:
         return
-    layers = [layer for layer in cpu_linears(model) if "forward" not in vars(layer)]
+    layers = [layer for layer in cpu_linears(model) if type(layer) is nn.Linear]
     groups = _siblings(layers, sample) if sample and layers else []
     needed = sum(layer.weight.nbytes for layer in layers) + sum(g.weight_bytes for g in groups)
     if needed > _free_memory() / 2:
@@ -204,10 +212,10 @@ def install(model: nn.Module, sample: Callable[[], object] | None = None) -> Non
                       "decoding without them (slower on a CPU)", stacklevel=2)
         return
     for layer in layers:
-        layer.forward = partial(_module_linear, layer)
+        layer.__class__ = RoutedLinear
     for group in groups:
-        for i, layer in enumerate(group.layers):
-            layer.forward = partial(_sibling_linear, group, i)
+        for layer in group.layers:
+            layer.siblings = group
 
 
 def _siblings(layers: list[nn.Linear], sample: Callable[[], object]) -> list[Siblings]:
@@ -254,21 +262,18 @@ class Siblings:
             self._fused, self._version = (weight, bias), version
         return self._fused
 
-
-def _sibling_linear(group: Siblings, i: int, x: torch.Tensor) -> torch.Tensor:
-    layer = group.layers[i]
-    if not _inside_step():
-        return F.linear(x, layer.weight, layer.bias)
-    if not FUSED or torch.compiler.is_compiling():
+    def product(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """layer's product with x: the first layer computes all of them, the others take theirs (or compute
+        their own, called on another input than the first one's)."""
+        i = self.layers.index(layer)
+        if i == 0:
+            outputs = linear(x, *self.fused()).split(self.sizes, dim=-1)
+            self.pending = x, outputs
+            return outputs[0]
+        pending, self.pending = self.pending, (self.pending if i < len(self.layers) - 1 else None)
+        if pending is not None and pending[0] is x:
+            return pending[1][i]
         return linear(x, layer.weight, layer.bias)
-    if i == 0:
-        outputs = linear(x, *group.fused()).split(group.sizes, dim=-1)
-        group.pending = x, outputs
-        return outputs[0]
-    pending, group.pending = group.pending, (group.pending if i < len(group.layers) - 1 else None)
-    if pending is not None and pending[0] is x:
-        return pending[1][i]
-    return linear(x, layer.weight, layer.bias)
 
 
 @contextmanager
@@ -321,8 +326,7 @@ def _products(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None]
     """The weight and bias of each product a decoding step computes: siblings' fused, other layers' own."""
     products, groups = [], set()
     for layer in cpu_linears(model):
-        forward = vars(layer).get("forward")
-        group = forward.args[0] if isinstance(forward, partial) and forward.func is _sibling_linear else None
+        group = getattr(layer, "siblings", None)
         if group is None:
             products.append((layer.weight.detach(), None if layer.bias is None else layer.bias.detach()))
         elif group not in groups:

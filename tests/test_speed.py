@@ -56,8 +56,8 @@ def test_fused_siblings_compute_their_own_products_and_follow_updates():
     torch.manual_seed(0)
     block, x = Block(), torch.randn(3, 32)
     speed.install(block, sample=lambda: block(x))
-    group = vars(block.q)["forward"].args[0]
-    assert group.layers == [block.q, block.k, block.v] and vars(block.o)["forward"].func is speed._module_linear
+    assert block.q.siblings.layers == [block.q, block.k, block.v] and block.o.siblings is None
+    assert type(block.o) is speed.RoutedLinear
 
     def reference():
         q, k, v = (F.linear(x, layer.weight, layer.bias) for layer in (block.q, block.k, block.v))
@@ -78,10 +78,10 @@ def test_no_packed_route_when_the_copies_do_not_fit(monkeypatch):
     monkeypatch.setattr(speed, "_free_memory", lambda: layer.weight.nbytes)  # half of it is too little
     with pytest.warns(UserWarning, match="free memory"):
         speed.install(layer)
-    assert "forward" not in vars(layer)
+    assert type(layer) is nn.Linear
     monkeypatch.setattr(speed, "_free_memory", lambda: 4 * layer.weight.nbytes)
     speed.install(layer)
-    assert "forward" in vars(layer)
+    assert type(layer) is speed.RoutedLinear
 
 
 @pytest.mark.skipif(not speed.GROUPED_ATTENTION, reason="grouped attention switched off")
@@ -121,8 +121,7 @@ def test_levers_keep_greedy_exact_in_float32(arch, monkeypatch):
     for tree in ["plain", "reference", "default+lookup4"]:
         out = model.generate(ids, max_new_tokens=20, tree=tree, eos_token_id=[])
         assert torch.equal(out.sequences, expected), tree
-    forwards = [vars(layer)["forward"] for layer in speed.cpu_linears(model)]
-    groups = {f.args[0] for f in forwards if f.func is speed._sibling_linear}
+    groups = {layer.siblings for layer in speed.cpu_linears(model)} - {None}
     assert all(g._fused is not None for g in groups)  # each group's one product ran
     assert len(groups) == SIBLINGS[arch]
     if model.config._attn_implementation == "sdpa":
