@@ -32,8 +32,8 @@ verification passes run through torch.compile, which fuses the many small operat
 matrix products (norms, rotary embeddings, residuals, cache writes) that eager mode runs one by one.
 Shapes are dynamic (batch, tree size and cache length change between passes), so it compiles once
 for one-token passes and once for tree passes (and again for batch 1 vs more); the first compile
-takes minutes on a small CPU, later processes reuse inductor's on-disk cache (faster, not instant).
-Prefill stays eager.
+takes about a minute per graph on a 2-core CPU, later processes reuse inductor's on-disk cache (15 s
+to the first compiled step on a 2-core AMD EPYC). Prefill stays eager.
 """
 
 from __future__ import annotations
