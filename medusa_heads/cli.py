@@ -39,7 +39,7 @@ def load_model(args: argparse.Namespace, **kwargs):
     kwargs.setdefault("projection", "shared")  # fresh heads only: an own copy of lm_head would change nothing
     model = MedusaModel.from_pretrained(args.base, heads=args.heads, **hf, **kwargs).to(device)
     if getattr(args, "compile", False):
-        print("--compile: the first decoding passes compile (about a minute per graph on a small CPU, ~15 s once cached)",
+        print("--compile: the first decoding passes compile (a minute per graph on a small CPU, ~15 s once cached)",
               file=sys.stderr)
         model.compile_decoding()
     return model
@@ -58,7 +58,7 @@ def report_tuning(model, refresh: bool = False) -> None:
 
 def add_compile_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true",
-                        help="decoding passes through torch.compile: faster steps after a compile (a minute or more the first time)")
+                        help="decoding passes through torch.compile: faster steps after a compile (a minute+ at first)")
 
 
 def add_decoding_args(parser: argparse.ArgumentParser) -> None:
