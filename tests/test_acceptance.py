@@ -37,10 +37,15 @@ def test_greedy_with_nothing_accepted_emits_the_root_prediction():
 def test_typical_threshold_by_hand():
     # p = (0.5, 0.3, 0.2): H = 1.0297 nats; delta * exp(-H) = 0.3 * 0.3571 = 0.1071; min(0.09, .) = 0.09
     probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
-    entropy = -sum(p * math.log(p) for p in (0.5, 0.3, 0.2))
-    assert min(0.09, 0.3 * math.exp(-entropy)) == pytest.approx(0.09)
     assert typical_accept(probs, torch.tensor(2), 0.09, 0.3)  # 0.2 > 0.09
     assert not typical_accept(probs, torch.tensor(3), 0.09, 0.3)  # 0 < 0.09
+    # p = (0.6, 0.33, 0.07): delta * exp(-H) = 0.127 > epsilon = 0.05, so the threshold is epsilon and
+    # 0.07 passes (a max() of the two would reject it); with epsilon = 0.2 the threshold is 0.127
+    probs = torch.tensor([0.6, 0.33, 0.07])
+    entropy = -sum(p * math.log(p) for p in (0.6, 0.33, 0.07))
+    assert 0.07 < 0.3 * math.exp(-entropy) < 0.2
+    assert typical_accept(probs, torch.tensor(2), 0.05, 0.3)
+    assert not typical_accept(probs, torch.tensor(2), 0.2, 0.3)
     # a flat distribution over 8 tokens: H = ln 8, delta * exp(-H) = 0.3 / 8 = 0.0375 < epsilon
     flat = torch.full((8,), 1 / 8)
     assert typical_accept(flat, torch.tensor(0), 0.09, 0.3)  # 0.125 > 0.0375

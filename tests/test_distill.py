@@ -93,3 +93,8 @@ def test_sigkill_mid_run_then_rerun_completes_exactly_once(tmp_path, tiny_folder
     assert rerun.returncode == 0, rerun.stderr
     assert f"{count - written} prompts answered, {count} in all" in rerun.stdout
     check_output(out, count)
+    straight = tmp_path / "straight.jsonl"  # the same prompts, never interrupted: the same answers
+    subprocess.run([*command[:-5], str(straight), *command[-4:]], check=True, capture_output=True, timeout=300)
+    answers = {path: {r["id"]: r["conversations"] for r in map(json.loads, path.read_text().splitlines())}
+               for path in (out, straight)}
+    assert answers[out] == answers[straight]
