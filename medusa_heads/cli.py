@@ -20,8 +20,10 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 
 
 def add_model_args(parser: argparse.ArgumentParser,
-                   heads_help: str = "heads folder (default: the heads shipped for the default model)") -> None:
-    parser.add_argument("--base", help="hub id, HF folder or GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+                   heads_help: str = "heads folder (default: the heads shipped for the default model)",
+                   base_help: str = "hub id, HF folder or GGUF file (default: the embedded SmolLM2-135M-Instruct)",
+                   ) -> None:
+    parser.add_argument("--base", help=base_help)
     parser.add_argument("--heads", help=heads_help)
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                         help="float32 (fp32: exact), bfloat16 (bf16: faster where the hardware has it), float16 or "
@@ -286,15 +288,23 @@ def setup_train(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
+    from .default import DEFAULT_NAME
     from .io import export_heads
+    from .model import recorded_base
 
+    if args.base is None and args.heads:  # the base the heads were made for, not the embedded default
+        made_for = recorded_base(args.heads)
+        if not made_for:
+            raise ValueError(f"{args.heads} records no base model: pass --base (the model the heads were trained on)")
+        if Path(made_for).name != DEFAULT_NAME:  # the embedded default is found wherever it was converted
+            args.base = made_for
     model = load_model(args)
     out = export_heads(model.heads, args.out, args.format, model.base_name)
     print(f"{out}: {args.format} layout written; see {out / 'README.md'} for the serving command")
 
 
 def setup_export(p: argparse.ArgumentParser) -> None:
-    add_model_args(p)
+    add_model_args(p, base_help="hub id, HF folder or GGUF file (default: the base recorded with --heads)")
     p.add_argument("--format", required=True, choices=["vllm", "tgi", "medusa"])
     p.add_argument("--out", required=True, help="folder to write")
 

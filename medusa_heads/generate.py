@@ -27,7 +27,8 @@ from .tree import Tree
 
 @dataclass
 class GenerationOutput:
-    sequences: torch.Tensor  # (B, prompt + new) per row: its prompt, then its new tokens, pad-filled
+    sequences: torch.Tensor  # (B, T + longest answer): input_ids as given (padding kept), then each row's new
+    # tokens, pad-filled after a row finishes: the layout of transformers' generate
     new_tokens: list[list[int]]  # per row, the generated tokens
     accept_lengths: list[list[int]]  # per row, tokens emitted at each step (prefill = 1), bonus included
     texts: list[str] | None = None  # per row, decoded new text, cut before any stop string
@@ -318,13 +319,13 @@ class Decoder:
         self.hidden, self.root = self.hidden[index], self.root[index]
         self.cache.keep_rows(index)
 
-    def output(self, elapsed: float) -> GenerationOutput:
-        pad = _pad_id(self.model)
+    def output(self, input_ids: torch.Tensor, elapsed: float) -> GenerationOutput:
+        """The result of rows added at once from input_ids (B, T)."""
         rows = list(self.rows.values())
-        width = max(len(r.prompt) + len(r.tokens) for r in rows)
-        sequences = torch.full((len(rows), width), pad, dtype=torch.long)
+        new = torch.full((len(rows), max(len(r.tokens) for r in rows)), _pad_id(self.model), dtype=torch.long)
         for i, r in enumerate(rows):
-            sequences[i, : len(r.prompt) + len(r.tokens)] = torch.tensor(r.prompt + r.tokens)
+            new[i, : len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.long)
+        sequences = torch.cat([input_ids.cpu(), new], dim=1)
         texts = [self.text(i) for i in self.rows] if self.model.tokenizer is not None else None
         return GenerationOutput(
             sequences=sequences,
@@ -380,7 +381,7 @@ def generate(
         pass
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
-    return decoder.output(time.perf_counter() - start)
+    return decoder.output(input_ids, time.perf_counter() - start)
 
 
 class TextDeltas:

@@ -166,10 +166,18 @@ def _try_tokenizer(name: str, **kwargs: Any):
         return None
 
 
-def _warn_other_base(heads_dir: str | Path, base_model: PreTrainedModel) -> None:
+def recorded_base(heads_dir: str | Path) -> str:
+    """The base model a heads folder records it was made for (native or original config), or ""."""
     file = Path(heads_dir) / "config.json"
-    config = json.loads(file.read_text()) if file.exists() else {}
-    made_for = str(config.get("base_model") or config.get("base_model_name_or_path") or "")
+    try:
+        config = json.loads(file.read_text()) if file.exists() else {}
+    except ValueError:
+        return ""
+    return str(config.get("base_model") or config.get("base_model_name_or_path") or "")
+
+
+def _warn_other_base(heads_dir: str | Path, base_model: PreTrainedModel) -> None:
+    made_for = recorded_base(heads_dir)
     name = str(base_model.name_or_path or "")
     if made_for and name and Path(made_for).name != Path(name).name:
         warnings.warn(f"heads in {heads_dir} were trained for {made_for!r}, loading them on {name!r}", stacklevel=3)

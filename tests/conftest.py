@@ -31,10 +31,11 @@ def medusa_tiny(arch: str = "llama", tied: bool = False, num_heads: int = 4, see
     return randomize_heads(MedusaModel.from_pretrained(tiny_model(arch, tied, seed), num_heads=num_heads, **kwargs))
 
 
-def hf_greedy(base, ids: torch.Tensor, max_new_tokens: int, eos_token_id=None) -> torch.Tensor:
+def hf_greedy(base, ids: torch.Tensor, max_new_tokens: int, eos_token_id=None, attention_mask=None) -> torch.Tensor:
     """transformers' own greedy generate: the reference every greedy Medusa run must equal."""
     ids = ids.to(base.device)
-    return base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+    mask = torch.ones_like(ids) if attention_mask is None else attention_mask.to(base.device)
+    return base.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                          eos_token_id=eos_token_id, pad_token_id=0).cpu()
 
 

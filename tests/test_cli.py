@@ -75,3 +75,17 @@ def test_train_on_the_default_base_builds_fresh_heads(tiny_folder, tmp_path, mon
                      "--chained", "--epochs", "1", "--batch-size", "2"]) == 0
     config = json.loads((out / "config.json").read_text())
     assert (config["num_heads"], config["num_layers"], config["next_token"], config["chained"]) == (2, 2, True, True)
+
+
+def test_export_takes_the_base_recorded_with_the_heads(tiny_folder, tmp_path, capsys):
+    from medusa_heads import MedusaModel, cli
+
+    heads = tmp_path / "heads"
+    MedusaModel.from_pretrained(str(tiny_folder), num_heads=2).save_pretrained(heads)  # records tiny_folder
+    assert cli.main(["export", "--heads", str(heads), "--format", "vllm", "--out", str(tmp_path / "vllm")]) == 0
+    assert json.loads((tmp_path / "vllm" / "config.json").read_text())["hidden_size"] == 32  # not the default's
+    config = json.loads((heads / "config.json").read_text())
+    del config["base_model"]
+    (heads / "config.json").write_text(json.dumps(config))
+    assert cli.main(["export", "--heads", str(heads), "--format", "vllm", "--out", str(tmp_path / "again")]) == 2
+    assert "records no base model: pass --base" in capsys.readouterr().err
