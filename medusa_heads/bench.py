@@ -307,7 +307,7 @@ def load_bench(model, questions: list[dict], batch_sizes: list[int], max_new_tok
     A batch of B first turns decodes together (rows leave as they finish). Latency of
     a request = seconds until its row finished. Greedy outputs of both methods are compared.
     """
-    from .generate import make_decoder, pad_batch
+    from .generate import make_decoder, mean_accepted_length, pad_batch
 
     prompts = [model.chat_ids(q["turns"][0])[0].tolist() for q in questions]
     methods = {"plain": "plain", "medusa": tree}
@@ -321,17 +321,17 @@ def load_bench(model, questions: list[dict], batch_sizes: list[int], max_new_tok
         for name, spec in methods.items():
             decoder = make_decoder(model, ids.to(model.device), mask.to(model.device), max_new_tokens, tree=spec)
             start, finished = time.perf_counter(), {}
-            for _ in decoder.steps():
+            for updates in decoder.steps():
                 now = time.perf_counter() - start
-                finished.update({i: now for i, r in decoder.rows.items() if r.finish_reason and i not in finished})
+                finished.update({u.row: now for u in updates if u.finish_reason})
             seconds = time.perf_counter() - start
-            tokens = [r.tokens for r in decoder.rows.values()]
-            steps = sum(len(r.accept_lengths) for r in decoder.rows.values())
+            rows_done = [decoder.progress(row) for row in sorted(finished)]
+            tokens = [r.tokens for r in rows_done]
             outputs[name] = tokens
             rows.append({"batch_size": size, "method": name, "new_tokens": sum(map(len, tokens)), "seconds": seconds,
                          "tokens_per_second": sum(map(len, tokens)) / seconds,
                          "mean_latency": statistics.mean(finished.values()),
-                         "mean_accepted_length": sum(map(len, tokens)) / steps})
+                         "mean_accepted_length": mean_accepted_length([r.accept_lengths for r in rows_done])})
         rows[-1]["identical_to_plain"] = outputs["medusa"] == outputs["plain"]
         rows[-1]["speedup_vs_plain"] = rows[-1]["tokens_per_second"] / rows[-2]["tokens_per_second"]
     return {"rows": rows, "settings": {"batch_sizes": batch_sizes, "max_new_tokens": max_new_tokens,

@@ -37,8 +37,8 @@ def run_chat(model, decoding: dict, read: Callable[[str], str] = input, write: C
             if delta := deltas():
                 write(delta, end="", flush=True)
         elapsed = time.perf_counter() - start
-        row = decoder.rows[0]
+        row = decoder.progress(0)
         write("")
         write(f"[{len(row.tokens)} tokens, {len(row.tokens) / elapsed:.1f} tok/s, mean accepted length "
-              f"{len(row.tokens) / len(row.accept_lengths):.2f}]")
+              f"{row.mean_accepted_length:.2f}]")
         history.append({"role": "assistant", "content": decoder.text(0)})

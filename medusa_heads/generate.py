@@ -41,8 +41,36 @@ class GenerationOutput:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens per decoding step over all rows, bonus included (plain decoding = 1.0)."""
-        return sum(map(sum, self.accept_lengths)) / max(1, sum(map(len, self.accept_lengths)))
+        return mean_accepted_length(self.accept_lengths)
+
+
+def mean_accepted_length(accept_lengths: list[list[int]]) -> float:
+    """Tokens per decoding step over rows' per-step token counts, bonus included, the prefill counting as a
+    step that emits one (plain decoding = 1.0)."""
+    return sum(map(sum, accept_lengths)) / max(1, sum(map(len, accept_lengths)))
+
+
+@dataclass(frozen=True)
+class Update:
+    """What one step did to one row: the tokens it emitted (its accepted length), and why it ended, if it did."""
+
+    row: int
+    tokens: list[int]
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A row so far, as `Decoder.progress` reports it."""
+
+    prompt_tokens: int
+    tokens: list[int]
+    accept_lengths: list[int]
+    finish_reason: str | None  # "stop", "length", "cancelled" or None (still decoding)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return mean_accepted_length([self.accept_lengths])
 
 
 @dataclass(eq=False)
@@ -73,9 +101,10 @@ class _Buffers:
 
 
 class Decoder:
-    """Decodes a changing batch: rows join with `add` (prefilled at the next step), every step
-    verifies every active row's tree in one forward pass, and finished rows leave. With `adapt`,
-    each row's tree follows what it accepts (`medusa_heads.adaptive`)."""
+    """Decodes a changing batch: rows join with `add` (prefilled at the next step), every `step`
+    verifies every active row's tree in one forward pass and says what each row emitted, and finished
+    rows leave the batch; `progress` and `text` read a row, `cancel` stops it, `forget` drops its record.
+    With `adapt`, each row's tree follows what it accepts (`medusa_heads.adaptive`)."""
 
     def __init__(self, model, tree: Tree, adapt: bool = False):
         if tree.size > 1:
@@ -93,7 +122,8 @@ class Decoder:
         curve = tuned.cost_curve if adapt and tuned and tree.head_size > 1 else None
         self.heads_threshold = adaptive.heads_threshold(curve, tree.head_size)
         self.decoded_steps = 0
-        self.rows: dict[int, _Row] = {}  # every row added, by id, until the caller forgets it
+        self._rows: dict[int, _Row] = {}  # every row added, by id, until the caller forgets it
+        self._updates: list[Update] = []  # what the current step emitted
         self.active: list[int] = []  # batch position -> row id
         self.pending: list[int] = []  # added, not yet prefilled
         self.cache: TreeCache | None = None
@@ -121,46 +151,58 @@ class Decoder:
         ids = []
         for prompt in _prompts(input_ids, attention_mask):
             ids.append(next(self._ids))
-            self.rows[ids[-1]] = _Row(prompt, **settings)
+            self._rows[ids[-1]] = _Row(prompt, **settings)
         self.pending += ids
         return ids
 
     def cancel(self, row_id: int) -> None:
         """Stop decoding a row now (its client left)."""
-        row = self.rows[row_id]
+        row = self._rows[row_id]
         row.finish_reason = row.finish_reason or "cancelled"
         if row_id in self.pending:
             self.pending.remove(row_id)
         if row_id in self.active:
             self._keep([b for b, i in enumerate(self.active) if i != row_id])
 
+    def forget(self, row_id: int) -> None:
+        """Drop the record of a row that is done (finished or cancelled)."""
+        if not self._rows[row_id].finish_reason:
+            raise ValueError(f"row {row_id} is still decoding: cancel it first")
+        del self._rows[row_id]
+
+    def progress(self, row_id: int) -> Progress:
+        row = self._rows[row_id]
+        return Progress(len(row.prompt), list(row.tokens), list(row.accept_lengths), row.finish_reason)
+
     @property
     def busy(self) -> bool:
         return bool(self.active or self.pending)
 
-    def steps(self) -> Iterator[None]:
-        """Decode until every row is done; yields after every step (the first one is the prefill)."""
+    def steps(self) -> Iterator[list[Update]]:
+        """Decode until every row is done; yields each step's updates (the first step is the prefill)."""
         while self.busy:
-            self.step()
-            yield
+            yield self.step()
 
-    def step(self) -> None:
-        """Prefill the rows that joined, or else advance every active row by one verification pass."""
+    def step(self) -> list[Update]:
+        """Prefill the rows that joined, or else advance every active row by one verification pass; what
+        each row emitted."""
+        self._updates = []
         with speed.decoding_step(self.routes):
             if self.pending:
                 self._prefill()
             else:
                 self._decode()
+        return self._updates
 
     # -- the two kinds of step ----------------------------------------------------------------
 
     @torch.inference_mode()
     def _prefill(self) -> None:
         ids_of_rows, self.pending = self.pending, []
-        prompts = [self.rows[i].prompt for i in ids_of_rows]
+        prompts = [self._rows[i].prompt for i in ids_of_rows]
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         layers = self.model.config.get_text_config().num_hidden_layers
-        longest = max(self.rows[i].max_new_tokens for i in ids_of_rows)
+        longest = max(self._rows[i].max_new_tokens for i in ids_of_rows)
         cache = TreeCache(layers, len(prompts), int(lengths.max()) + longest + self.tree.size, self.device)
         last = None  # (B, H) hidden state of each prompt's last token
         for chunk in _similar_lengths(prompts):  # little padding, bounded memory
@@ -190,7 +232,7 @@ class Decoder:
     @torch.inference_mode()
     def _decode(self) -> None:
         batch = self.root.shape[0]
-        requests = [self.rows[i] for i in self.active]
+        requests = [self._rows[i] for i in self.active]
         heads_on = self.tree.head_size > 1 and self._heads_pay(requests)
         buffers = self.full if heads_on or self.lookup_only is None else self.lookup_only
         tokens = self.root[:, None]
@@ -273,14 +315,14 @@ class Decoder:
         """Batch positions of rows that share settings (they were added together), with one such row."""
         groups: dict[int, list[int]] = {}
         for position, row_id in enumerate(row_ids):
-            groups.setdefault(id(self.rows[row_id].generator), []).append(position)
-        return [(torch.tensor(p, device=self.device), self.rows[row_ids[p[0]]]) for p in groups.values()]
+            groups.setdefault(id(self._rows[row_id].generator), []).append(position)
+        return [(torch.tensor(p, device=self.device), self._rows[row_ids[p[0]]]) for p in groups.values()]
 
     def _emit(self, emitted: torch.Tensor, counts: torch.Tensor, positions: range) -> None:
         """Append new tokens to the rows at these batch positions, apply the stop rules, drop finished rows."""
         finished = set()
         for b, tokens, count in zip(positions, emitted.tolist(), counts.tolist(), strict=True):
-            row = self.rows[self.active[b]]
+            row = self._rows[self.active[b]]
             row.accept_lengths.append(0)
             for token in tokens[:count]:
                 row.tokens.append(token)
@@ -289,6 +331,8 @@ class Decoder:
                 if row.finish_reason:
                     finished.add(b)
                     break
+            self._updates.append(Update(self.active[b], row.tokens[len(row.tokens) - row.accept_lengths[-1]:],
+                                        row.finish_reason))
         if finished:
             self._keep([b for b in range(len(self.active)) if b not in finished])
 
@@ -321,12 +365,12 @@ class Decoder:
 
     def output(self, input_ids: torch.Tensor, elapsed: float) -> GenerationOutput:
         """The result of rows added at once from input_ids (B, T)."""
-        rows = list(self.rows.values())
+        rows = list(self._rows.values())
         new = torch.full((len(rows), max(len(r.tokens) for r in rows)), _pad_id(self.model), dtype=torch.long)
         for i, r in enumerate(rows):
             new[i, : len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.long)
         sequences = torch.cat([input_ids.cpu(), new], dim=1)
-        texts = [self.text(i) for i in self.rows] if self.model.tokenizer is not None else None
+        texts = [self.text(i) for i in self._rows] if self.model.tokenizer is not None else None
         return GenerationOutput(
             sequences=sequences,
             new_tokens=[r.tokens for r in rows],
@@ -338,7 +382,7 @@ class Decoder:
 
     def text(self, row_id: int) -> str:
         """A row's decoded text so far, cut before a stop string."""
-        row = self.rows[row_id]
+        row = self._rows[row_id]
         text = self.model.tokenizer.decode(row.tokens, skip_special_tokens=True)
         return text[: row.stop_at] if row.stop_at is not None else text
 
@@ -390,11 +434,11 @@ class TextDeltas:
 
     def __init__(self, decoder: Decoder, row: int = 0):
         self.decoder, self.row, self.sent = decoder, row, ""
-        self.hold = max((len(s) for s in decoder.rows[row].stop), default=1) - 1
+        self.hold = max((len(s) for s in decoder._rows[row].stop), default=1) - 1
 
     def __call__(self) -> str:
         text = self.decoder.text(self.row)
-        if not self.decoder.rows[self.row].finish_reason:
+        if not self.decoder._rows[self.row].finish_reason:
             text = text[: len(text) - self.hold].rstrip("\ufffd")
         if len(text) <= len(self.sent) or not text.startswith(self.sent):
             return ""

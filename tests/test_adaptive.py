@@ -51,7 +51,7 @@ def test_heads_turned_off_keep_the_tokens_and_come_back(arch, monkeypatch):
     decoder.heads_threshold = 99.0  # no head depth pays: heads only on the refresh steps
     for _ in decoder.steps():
         pass
-    row = decoder.rows[0]
+    row = decoder._rows[0]
     assert row.tokens == hf_greedy(model.base_model, ids, 32)[0, ids.shape[1]:].tolist()
     steps = len(row.accept_lengths) - 1
     assert 1 <= len(drafts) <= 1 + steps // adaptive.REFRESH  # the first step (unmeasured) and the refreshes
@@ -65,8 +65,8 @@ def test_lookup_budget_follows_each_row_and_static_keeps_the_tree():
     static = make_decoder(model, ids, None, max_new_tokens=40, tree="plain+lookup12", eos_token_id=[])
     budgets = []
     for _ in adapted.steps():
-        budgets.append(adapted.rows[0].lookup_budget)
+        budgets.append(adapted._rows[0].lookup_budget)
     for _ in static.steps():
-        assert static.rows[0].lookup_budget == 12
+        assert static._rows[0].lookup_budget == 12
     assert len(set(budgets)) > 1 and min(budgets) < 12
-    assert adapted.rows[0].tokens == static.rows[0].tokens
+    assert adapted._rows[0].tokens == static._rows[0].tokens

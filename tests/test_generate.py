@@ -138,8 +138,32 @@ def test_cancelling_a_row_leaves_the_others_exact():
         decoder.step()
     for row, prompt in zip(rows[1:], prompts[1:], strict=True):
         solo = model.generate(torch.tensor([prompt]), max_new_tokens=20, tree="reference", eos_token_id=[])
-        assert decoder.rows[row].tokens == solo.new_tokens[0]
-    assert decoder.rows[rows[0]].finish_reason == "cancelled"
+        assert decoder.progress(row).tokens == solo.new_tokens[0]
+    assert decoder.progress(rows[0]).finish_reason == "cancelled"
+
+
+def test_step_updates_account_for_every_token():
+    """What `step` reports is the whole output: each row's updates concatenate to its tokens, its
+    accepted lengths are their sizes, and the last one says why it ended; a done row can be forgotten."""
+    model = medusa_tiny("llama")
+    decoder = generate_module.Decoder(model, Tree.load("reference+lookup4"))
+    rows = decoder.add(torch.tensor([[3, 4, 5, 0], [6, 7, 8, 9]]), torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]),
+                       max_new_tokens=25, eos_token_id=[])
+    seen = {row: [] for row in rows}
+    for updates in decoder.steps():
+        for update in updates:
+            assert not seen[update.row] or not seen[update.row][-1].finish_reason  # nothing after the end
+            seen[update.row].append(update)
+    for row in rows:
+        progress = decoder.progress(row)
+        assert [t for u in seen[row] for t in u.tokens] == progress.tokens and len(progress.tokens) == 25
+        assert [len(u.tokens) for u in seen[row]] == progress.accept_lengths
+        assert seen[row][-1].finish_reason == progress.finish_reason == "length"
+        decoder.forget(row)
+    assert decoder._rows == {}
+    decoder.add(torch.tensor([[3, 4]]), max_new_tokens=5)
+    with pytest.raises(ValueError, match="still decoding"):
+        decoder.forget(rows[-1] + 1)
 
 
 def with_tokenizer(model):

@@ -212,5 +212,5 @@ def test_continuous_batching_joins_and_leaves(library):
         text = "".join(payload for kind, payload in events if kind == "text")
         assert events[-1][0] == "done"
         assert text == expected_chat(library, PROMPTS[i], 20 + i)[0], i
-    assert engine.decoder.rows == {} and engine.admitted == 0
+    assert engine.decoder._rows == {} and engine.admitted == 0
     loop.close()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..generate import Decoder, TextDeltas, resolve_tree
+from ..generate import Decoder, TextDeltas, Update, resolve_tree
 
 log = logging.getLogger("medusa_heads.serve")
 
@@ -78,13 +78,13 @@ class Engine:
             self._admit()
             if not self.decoder.busy:
                 return False
-            self.decoder.step()
-            self._publish()
+            self._publish(self.decoder.step())
         except Exception:  # a bug or an out-of-memory: fail this batch without a traceback, keep serving
             log.exception("generation failed")
-            for row_id, (job, _) in list(self.jobs.items()):
+            for job, _ in self.jobs.values():
                 job.send("error", "generation failed")
-                self._forget(row_id)
+                self._release()
+            self.jobs.clear()
             self.decoder = Decoder(self.model, self.tree)
         return True
 
@@ -115,8 +115,9 @@ class Engine:
                 continue
             self.jobs[row_id] = (job, TextDeltas(self.decoder, row_id))
 
-    def _publish(self) -> None:
+    def _publish(self, updates: list[Update]) -> None:
         """Send every request its new text; finish the done ones and drop those whose client left."""
+        finished = {u.row for u in updates if u.finish_reason}
         for row_id, (job, deltas) in list(self.jobs.items()):
             if job.cancelled.is_set():
                 self.decoder.cancel(row_id)
@@ -124,16 +125,16 @@ class Engine:
                 continue
             if delta := deltas():
                 job.send("text", delta)
-            row = self.decoder.rows[row_id]
-            if row.finish_reason:
-                job.send("done", {"finish_reason": row.finish_reason, "prompt_tokens": len(row.prompt),
+            if row_id in finished:
+                row = self.decoder.progress(row_id)
+                job.send("done", {"finish_reason": row.finish_reason, "prompt_tokens": row.prompt_tokens,
                                   "completion_tokens": len(row.tokens),
-                                  "mean_accepted_length": sum(row.accept_lengths) / max(1, len(row.accept_lengths))})
+                                  "mean_accepted_length": row.mean_accepted_length})
                 self._forget(row_id)
 
     def _forget(self, row_id: int) -> None:
         self.jobs.pop(row_id)
-        self.decoder.rows.pop(row_id, None)
+        self.decoder.forget(row_id)
         self._release()
 
     def _release(self) -> None:

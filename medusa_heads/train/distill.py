@@ -164,12 +164,11 @@ class LocalAnswerer:
             self.keys.update(zip(rows, (key for key, _ in self.waiting), strict=True))
             self.waiting = []
         while True:
-            self.decoder.step()
-            finished = [row for row in self.keys if self.decoder.rows[row].finish_reason]
+            finished = [u.row for u in self.decoder.step() if u.finish_reason]
             if finished:
                 answers = [(self.keys.pop(row), self.decoder.text(row).strip()) for row in finished]
                 for row in finished:
-                    del self.decoder.rows[row]
+                    self.decoder.forget(row)
                 return answers
 
 
