@@ -17,7 +17,7 @@ bonus) is taken from the base model's distribution at its last node.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -28,11 +28,19 @@ MODES = ("greedy", "typical", "exact")
 class Sampling:
     """How tokens are chosen; one object for every acceptance mode, so defaults live in one place."""
 
-    acceptance: str = "greedy"  # "greedy" | "typical" | "exact"
-    temperature: float = 1.0  # softmax temperature for typical / exact
-    top_p: float = 1.0  # nucleus filter for typical / exact
-    epsilon: float = 0.09  # typical: hard probability threshold
-    delta: float = 0.3  # typical: entropy-scaled threshold factor
+    acceptance: str = field(default="greedy", metadata={
+        "help": "greedy (identical to plain greedy decoding), exact (samples exactly as the base model) or "
+                "typical (the paper's typical acceptance: faster, not exact)"})
+    temperature: float = field(default=1.0, metadata={"help": "softmax temperature for typical / exact"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus filter for typical / exact"})
+    epsilon: float = field(default=0.09, metadata={"help": "typical: hard probability threshold"})
+    delta: float = field(default=0.3, metadata={"help": "typical: entropy-scaled threshold factor"})
+
+    @classmethod
+    def help(cls, name: str) -> str:
+        """A setting's help text, with its default."""
+        setting = next(f for f in fields(cls) if f.name == name)
+        return f"{setting.metadata['help']} (default: {setting.default})"
 
     def __post_init__(self) -> None:
         if self.acceptance not in MODES:

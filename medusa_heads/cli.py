@@ -64,9 +64,11 @@ def add_compile_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def add_decoding_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--acceptance", choices=["greedy", "typical", "exact"], default="greedy")
-    parser.add_argument("--temperature", type=float, default=0.7, help="for typical / exact (default: 0.7)")
-    parser.add_argument("--top-p", type=float, default=1.0)
+    from .acceptance import MODES, Sampling
+
+    parser.add_argument("--acceptance", choices=MODES, default=Sampling.acceptance, help=Sampling.help("acceptance"))
+    parser.add_argument("--temperature", type=float, default=Sampling.temperature, help=Sampling.help("temperature"))
+    parser.add_argument("--top-p", type=float, default=Sampling.top_p, help=Sampling.help("top_p"))
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--tree", default="auto", help="auto (default: the tree probed fastest on this machine), a "
                         "preset (default, reference, chain-D, dense-WxD, plain) or a JSON file; append +lookupL for a "

@@ -395,15 +395,15 @@ def generate(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     max_new_tokens: int = 256,
-    acceptance: str = "greedy",
-    temperature: float = 1.0,
-    top_p: float = 1.0,
+    acceptance: str = Sampling.acceptance,
+    temperature: float = Sampling.temperature,
+    top_p: float = Sampling.top_p,
     tree: str | Tree | list | None = "auto",
     stop: str | list[str] | None = None,
     eos_token_id: int | list[int] | None = None,
     seed: int | None = None,
-    epsilon: float = 0.09,
-    delta: float = 0.3,
+    epsilon: float = Sampling.epsilon,
+    delta: float = Sampling.delta,
     adapt: bool = False,
 ) -> GenerationOutput:
     """Generate with Medusa heads.
@@ -458,8 +458,9 @@ def stream(model, input_ids: torch.Tensor, **kwargs) -> Iterator[str]:
             yield delta
 
 
-def make_decoder(model, input_ids, attention_mask, max_new_tokens=256, acceptance="greedy", temperature=1.0, top_p=1.0,
-                 tree="auto", stop=None, eos_token_id=None, seed=None, epsilon=0.09, delta=0.3, adapt=False) -> Decoder:
+def make_decoder(model, input_ids, attention_mask, max_new_tokens=256, acceptance=Sampling.acceptance,
+                 temperature=Sampling.temperature, top_p=Sampling.top_p, tree="auto", stop=None, eos_token_id=None,
+                 seed=None, epsilon=Sampling.epsilon, delta=Sampling.delta, adapt=False) -> Decoder:
     decoder = Decoder(model, resolve_tree(model, tree), adapt)
     decoder.add(input_ids, attention_mask, max_new_tokens, Sampling(acceptance, temperature, top_p, epsilon, delta),
                 eos_token_id, stop, seed)

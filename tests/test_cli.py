@@ -89,3 +89,21 @@ def test_export_takes_the_base_recorded_with_the_heads(tiny_folder, tmp_path, ca
     (heads / "config.json").write_text(json.dumps(config))
     assert cli.main(["export", "--heads", str(heads), "--format", "vllm", "--out", str(tmp_path / "again")]) == 2
     assert "records no base model: pass --base" in capsys.readouterr().err
+
+
+def test_decoding_defaults_agree_across_library_cli_and_server():
+    import inspect
+
+    from medusa_heads.acceptance import Sampling
+    from medusa_heads.generate import generate, make_decoder
+    from medusa_heads.serve.schemas import CompletionRequest
+
+    settings = {name: getattr(Sampling, name) for name in ("acceptance", "temperature", "top_p", "epsilon", "delta")}
+    for function in (generate, make_decoder):
+        parameters = inspect.signature(function).parameters
+        assert {name: parameters[name].default for name in settings} == settings, function.__name__
+    cli = vars(build_parser().parse_args(["generate", "x"]))
+    assert {name: cli[name] for name in ("acceptance", "temperature", "top_p")} == {
+        name: settings[name] for name in ("acceptance", "temperature", "top_p")}
+    fields = CompletionRequest.model_fields
+    assert (fields["temperature"].default, fields["top_p"].default) == (settings["temperature"], settings["top_p"])

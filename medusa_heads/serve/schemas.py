@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..acceptance import Sampling
+
 
 class TextPart(BaseModel):
     type: Literal["text"]
@@ -31,8 +33,8 @@ class SamplingFields(BaseModel):
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1, description="new tokens at most")
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="0 decodes greedily")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float = Field(default=Sampling.temperature, ge=0.0, le=2.0, description="0 decodes greedily")
+    top_p: float = Field(default=Sampling.top_p, gt=0.0, le=1.0, description=Sampling.help("top_p"))
     stop: str | list[str] | None = Field(default=None, description="up to 4 strings that end the answer")
     seed: int | None = None
     n: int = Field(default=1, ge=1, le=128)
