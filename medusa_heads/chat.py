@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from .generate import TextDeltas, make_decoder
+from .decoder import TextDeltas
+from .generate import make_decoder
 
 HELP = "medusa chat: type a message; /reset clears the history, /exit quits"
 

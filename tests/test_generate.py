@@ -8,6 +8,7 @@ from conftest import ARCHS, hf_greedy, medusa_tiny
 from tiny import tiny_tokenizer
 
 from medusa_heads import Tree
+from medusa_heads import decoder as decoder_module
 from medusa_heads import generate as generate_module
 
 TREES = ["plain", "chain-4", "dense-2x3", "reference", "default", "default+lookup5"]
@@ -119,9 +120,9 @@ def test_prefill_in_chunks_of_similar_lengths(monkeypatch):
     model = medusa_tiny("qwen2")
     prompts = [[3, 4, 5, 6, 7, 8, 9], [10], [11, 12, 3], [5, 5, 5, 5], [7, 7]]
     solo = [model.generate(torch.tensor([p]), max_new_tokens=12, tree="reference", eos_token_id=[]) for p in prompts]
-    monkeypatch.setattr(generate_module, "PREFILL_TOKENS", 8)  # groups [10, 7 7], [11 12 3, 5 5 5 5], [3 ... 9]
-    assert generate_module._similar_lengths(prompts) == [[1, 4], [2, 3], [0]]
-    ids, mask = generate_module.pad_batch(prompts)
+    monkeypatch.setattr(decoder_module, "PREFILL_TOKENS", 8)  # groups [10, 7 7], [11 12 3, 5 5 5 5], [3 ... 9]
+    assert decoder_module._similar_lengths(prompts) == [[1, 4], [2, 3], [0]]
+    ids, mask = decoder_module.pad_batch(prompts)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=12, tree="reference", eos_token_id=[])
     assert out.new_tokens == [s.new_tokens[0] for s in solo]
 
@@ -129,7 +130,7 @@ def test_prefill_in_chunks_of_similar_lengths(monkeypatch):
 def test_cancelling_a_row_leaves_the_others_exact():
     model = medusa_tiny("llama")
     prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
-    decoder = generate_module.Decoder(model, Tree.load("reference"))
+    decoder = decoder_module.Decoder(model, Tree.load("reference"))
     rows = [decoder.add(torch.tensor([p]), max_new_tokens=20, eos_token_id=[])[0] for p in prompts]
     for _ in range(3):
         decoder.step()
@@ -146,7 +147,7 @@ def test_step_updates_account_for_every_token():
     """What `step` reports is the whole output: each row's updates concatenate to its tokens, its
     accepted lengths are their sizes, and the last one says why it ended; a done row can be forgotten."""
     model = medusa_tiny("llama")
-    decoder = generate_module.Decoder(model, Tree.load("reference+lookup4"))
+    decoder = decoder_module.Decoder(model, Tree.load("reference+lookup4"))
     rows = decoder.add(torch.tensor([[3, 4, 5, 0], [6, 7, 8, 9]]), torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]),
                        max_new_tokens=25, eos_token_id=[])
     seen = {row: [] for row in rows}
@@ -216,7 +217,7 @@ def test_compiled_decoding_equals_eager():
     in float32: through the speed levers (routed products, grouped attention)."""
     model = medusa_tiny("llama").float()
     prompts = [[3, 4, 5, 6, 7, 8, 9], [10], [11, 12, 3]]
-    ids, mask = generate_module.pad_batch(prompts)
+    ids, mask = decoder_module.pad_batch(prompts)
     eager = {tree: model.generate(ids, attention_mask=mask, max_new_tokens=20, tree=tree, eos_token_id=[])
              for tree in ["plain", "reference", "default+lookup4"]}
     model.compile_decoding()

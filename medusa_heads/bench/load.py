@@ -16,7 +16,8 @@ def load_bench(model, questions: list[dict], batch_sizes: list[int], max_new_tok
     A batch of B first turns decodes together (rows leave as they finish). Latency of
     a request = seconds until its row finished. Greedy outputs of both methods are compared.
     """
-    from ..generate import make_decoder, mean_accepted_length, pad_batch
+    from ..decoder import mean_accepted_length, pad_batch
+    from ..generate import make_decoder
 
     prompts = [model.chat_ids(q["turns"][0])[0].tolist() for q in questions]
     methods = {"plain": "plain", "medusa": tree}

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..generate import Decoder, TextDeltas, Update, resolve_tree
+from ..decoder import Decoder, TextDeltas, Update
+from ..generate import resolve_tree
 
 log = logging.getLogger("medusa_heads.serve")
 

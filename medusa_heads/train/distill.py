@@ -19,7 +19,7 @@ from typing import Protocol
 from tqdm import tqdm
 
 from ..acceptance import Sampling
-from ..generate import Decoder, pad_batch
+from ..decoder import Decoder, pad_batch
 from ..tree import Tree
 from .data import DataError, iter_records, to_messages
 
