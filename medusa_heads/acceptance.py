@@ -59,15 +59,18 @@ class Accepted:
 
 
 def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """softmax(logits / T) restricted to the smallest top set of mass >= top_p, renormalised."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    """softmax(logits / T) restricted to the smallest top set of mass >= top_p, renormalised. In float64 from
+    the largest logit, so that any T > 0 and top_p > 0 give a distribution (in float32, T = 5e-324 is 0 and
+    top_p = 5e-324 would drop every token)."""
+    logits = logits.double()
+    probs = torch.softmax((logits - logits.amax(-1, keepdim=True)) / temperature, dim=-1)
     if top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p  # mass before this token already enough
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    return probs.float()
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -83,6 +83,14 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert torch.allclose(sampling_probs(torch.tensor([0.0, 0.0]), 2.0), torch.tensor([0.5, 0.5]))
 
 
+def test_tiny_temperature_and_top_p_still_give_a_distribution():
+    # 5e-324 is the smallest float64 and 0 in float32: the most likely token must still be kept
+    assert torch.equal(sampling_probs(torch.tensor([[1.0, 3.0, 2.0, 2.5]]), 1.0, top_p=5e-324),
+                       torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
+    assert torch.equal(sampling_probs(torch.tensor([[1.0, 3.0, 2.0, 3.0]]), 5e-324),
+                       torch.tensor([[0.0, 0.5, 0.0, 0.5]]))
+
+
 def test_sampling_needs_a_temperature():
     with pytest.raises(ValueError, match="temperature > 0"):
         Sampling("exact", temperature=0)

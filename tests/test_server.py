@@ -47,6 +47,16 @@ def test_models_and_health(server, client):
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
 
 
+def test_openapi_schema_says_what_is_valid(server):
+    schemas = httpx.get(server.url + "/openapi.json").json()["components"]["schemas"]
+    for request in ("ChatRequest", "CompletionRequest"):
+        fields = schemas[request]["properties"]
+        assert fields["model"]["enum"] == [server.model]
+        assert {"type": "integer", "minimum": 1, "maximum": 64} in fields["max_tokens"]["anyOf"]  # the server's limit
+        assert (fields["temperature"]["maximum"], fields["top_p"]["exclusiveMinimum"], fields["n"]["maximum"]) == (
+            2.0, 0.0, 1)
+
+
 def test_chat_greedy_equals_the_library(server, client, library):
     reply = client.chat.completions.create(model=server.model, messages=PROMPTS[0], max_tokens=20, temperature=0)
     text, finish = expected_chat(library, PROMPTS[0], 20)

@@ -64,6 +64,21 @@ def create_app(model, max_concurrency: int = 4, max_queue: int = 64, max_new_tok
                                                 429: {"model": ErrorBody}})
     app.state.engine = engine
 
+    def openapi() -> dict:
+        """The schema, saying what this server accepts: its model id, and its limit on max_tokens (requests
+        outside them still get OpenAI's errors: 404 for another model, 400 for too many tokens)."""
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            for request in ("ChatRequest", "CompletionRequest"):
+                fields = schema["components"]["schemas"][request]["properties"]
+                fields["model"]["enum"] = [model_id]
+                for option in fields["max_tokens"].get("anyOf", [fields["max_tokens"]]):
+                    if option.get("type") == "integer":
+                        option["maximum"] = max_new_tokens_limit
+        return app.openapi_schema
+
+    app.openapi = openapi
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
         return error_response(err)

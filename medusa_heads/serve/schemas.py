@@ -37,7 +37,7 @@ class SamplingFields(BaseModel):
     top_p: float = Field(default=Sampling.top_p, gt=0.0, le=1.0, description=Sampling.help("top_p"))
     stop: str | list[str] | None = Field(default=None, description="up to 4 strings that end the answer")
     seed: int | None = None
-    n: int = Field(default=1, ge=1, le=128)
+    n: int = Field(default=1, ge=1, json_schema_extra={"maximum": 1}, description="choices per request: only 1")
     stream: bool = False
     stream_options: StreamOptions | None = None
     acceptance: Literal["exact", "typical"] | None = Field(
