@@ -17,9 +17,11 @@ bonus) is taken from the base model's distribution at its last node.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 
 import torch
+
+from .settings import setting
 
 MODES = ("greedy", "typical", "exact")
 
@@ -28,19 +30,12 @@ MODES = ("greedy", "typical", "exact")
 class Sampling:
     """How tokens are chosen; one object for every acceptance mode, so defaults live in one place."""
 
-    acceptance: str = field(default="greedy", metadata={
-        "help": "greedy (identical to plain greedy decoding), exact (samples exactly as the base model) or "
-                "typical (the paper's typical acceptance: faster, not exact)"})
-    temperature: float = field(default=1.0, metadata={"help": "softmax temperature for typical / exact"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus filter for typical / exact"})
-    epsilon: float = field(default=0.09, metadata={"help": "typical: hard probability threshold"})
-    delta: float = field(default=0.3, metadata={"help": "typical: entropy-scaled threshold factor"})
-
-    @classmethod
-    def help(cls, name: str) -> str:
-        """A setting's help text, with its default."""
-        setting = next(f for f in fields(cls) if f.name == name)
-        return f"{setting.metadata['help']} (default: {setting.default})"
+    acceptance: str = setting("greedy", "greedy (identical to plain greedy decoding), exact (samples exactly as the "
+                              "base model) or typical (the paper's typical acceptance: faster, not exact)", MODES)
+    temperature: float = setting(1.0, "softmax temperature for typical / exact")
+    top_p: float = setting(1.0, "nucleus filter for typical / exact")
+    epsilon: float = setting(0.09, "typical: hard probability threshold")
+    delta: float = setting(0.3, "typical: entropy-scaled threshold factor")
 
     def __post_init__(self) -> None:
         if self.acceptance not in MODES:

@@ -64,11 +64,10 @@ def add_compile_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def add_decoding_args(parser: argparse.ArgumentParser) -> None:
-    from .acceptance import MODES, Sampling
+    from .acceptance import Sampling
+    from .settings import add_arguments
 
-    parser.add_argument("--acceptance", choices=MODES, default=Sampling.acceptance, help=Sampling.help("acceptance"))
-    parser.add_argument("--temperature", type=float, default=Sampling.temperature, help=Sampling.help("temperature"))
-    parser.add_argument("--top-p", type=float, default=Sampling.top_p, help=Sampling.help("top_p"))
+    add_arguments(parser, Sampling)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--tree", default="auto", help="auto (default: the tree probed fastest on this machine), a "
                         "preset (default, reference, chain-D, dense-WxD, plain) or a JSON file; append +lookupL for a "
@@ -80,8 +79,9 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
 
 
 def decoding_kwargs(args: argparse.Namespace) -> dict:
-    return dict(acceptance=args.acceptance, temperature=args.temperature, top_p=args.top_p,
-                max_new_tokens=args.max_new_tokens, tree=args.tree, stop=args.stop, seed=args.seed, adapt=args.adapt)
+    return dict(acceptance=args.acceptance, temperature=args.temperature, top_p=args.top_p, epsilon=args.epsilon,
+                delta=args.delta, max_new_tokens=args.max_new_tokens, tree=args.tree, stop=args.stop, seed=args.seed,
+                adapt=args.adapt)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -233,9 +233,10 @@ def setup_distill(p: argparse.ArgumentParser) -> None:
 
 def cmd_train(args: argparse.Namespace) -> None:
     from .default import default_base_dir
+    from .settings import from_arguments
     from .train.trainer import TrainConfig, Trainer, prepare_examples
 
-    config = TrainConfig(**{k: getattr(args, k) for k in TrainConfig.__dataclass_fields__ if hasattr(args, k)})
+    config = from_arguments(TrainConfig, args)
     if args.base is None:  # named, so that the default base gets fresh heads, not the shipped ones
         args.base = str(default_base_dir())
     model = load_model(args, num_heads=config.num_heads, num_layers=config.num_layers, projection=config.projection,
@@ -250,43 +251,14 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def setup_train(p: argparse.ArgumentParser) -> None:
+    from .settings import add_arguments
     from .train.trainer import TrainConfig
 
-    d = TrainConfig()
     add_model_args(p, heads_help="heads folder to train further (default: fresh heads)")
     p.add_argument("--data", required=True, help="ShareGPT / messages JSON or JSONL")
     p.add_argument("--out", required=True, help="folder for the heads (and checkpoints)")
-    p.add_argument("--mode", choices=["medusa1", "medusa2"], default=d.mode)
-    p.add_argument("--num-heads", type=int, default=d.num_heads)
-    p.add_argument("--num-layers", type=int, default=d.num_layers)
-    p.add_argument("--projection", choices=["own", "shared"], default=d.projection)
-    p.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
-                   help="shared projection: heads propose only the N most frequent answer tokens (cheaper)")
-    p.add_argument("--next-token", action="store_true",
-                   help="heads also read the base model's next token (more accurate; native format only)")
-    p.add_argument("--chained", action="store_true",
-                   help="each head also reads the candidates of the heads before it (implies --next-token)")
-    p.add_argument("--epochs", type=int, default=d.epochs)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--max-length", type=int, default=d.max_length)
-    p.add_argument("--decay", type=float, default=d.decay, help="head k's loss weight is decay**k")
-    p.add_argument("--eval-fraction", type=float, default=d.eval_fraction)
-    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--bf16", action="store_true",
-                   help="training steps' products in bfloat16 (1.6x faster measured on a CPU with AVX512-BF16)")
-    p.add_argument("--no-cache-hidden", dest="cache_hidden", action="store_false",
-                   help="Medusa-1: recompute backbone states every epoch instead of caching them once")
-    p.add_argument("--skip-bad", action="store_true", help="skip malformed records (counted) instead of stopping")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
-    p.add_argument("--heads-lr-multiplier", type=float, default=d.heads_lr_multiplier, help="Medusa-2")
-    p.add_argument("--head-loss-weight", type=float, default=d.head_loss_weight, help="Medusa-2: lambda_0")
-    p.add_argument("--kl", action="store_true", help="Medusa-2: KL to the original model (self-distilled data)")
-    p.add_argument("--heads-warmup-steps", type=int, default=d.heads_warmup_steps, help="Medusa-2")
-    p.add_argument("--lora-r", type=int, default=d.lora_r, help="Medusa-2")
-    p.add_argument("--lora-alpha", type=int, default=d.lora_alpha, help="Medusa-2")
-    p.add_argument("--merge", action="store_true", help="Medusa-2: save a merged model instead of the adapter")
+    add_arguments(p, TrainConfig)
 
 
 def cmd_export(args: argparse.Namespace) -> None:

@@ -103,7 +103,23 @@ def test_decoding_defaults_agree_across_library_cli_and_server():
         parameters = inspect.signature(function).parameters
         assert {name: parameters[name].default for name in settings} == settings, function.__name__
     cli = vars(build_parser().parse_args(["generate", "x"]))
-    assert {name: cli[name] for name in ("acceptance", "temperature", "top_p")} == {
-        name: settings[name] for name in ("acceptance", "temperature", "top_p")}
+    assert {name: cli[name] for name in settings} == settings
     fields = CompletionRequest.model_fields
     assert (fields["temperature"].default, fields["top_p"].default) == (settings["temperature"], settings["top_p"])
+
+
+def test_train_options_are_the_train_config():
+    from dataclasses import asdict
+
+    from medusa_heads.settings import from_arguments
+    from medusa_heads.train.trainer import TrainConfig
+
+    args = build_parser().parse_args(["train", "--data", "d", "--out", "o"])
+    assert from_arguments(TrainConfig, args) == TrainConfig()  # every default, from the one definition
+    args = build_parser().parse_args(["train", "--data", "d", "--out", "o", "--chained", "--no-cache-hidden",
+                                      "--warmup-ratio", "0.1", "--mode", "medusa2"])
+    changed = {k: v for k, v in asdict(from_arguments(TrainConfig, args)).items() if v != asdict(TrainConfig())[k]}
+    assert changed == {"chained": True, "next_token": True, "cache_hidden": False, "warmup_ratio": 0.1,
+                       "mode": "medusa2"}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--data", "d", "--out", "o", "--projection", "mine"])

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..acceptance import Sampling
+from ..settings import describe
 
 
 class TextPart(BaseModel):
@@ -34,7 +35,7 @@ class SamplingFields(BaseModel):
     model: str
     max_tokens: int | None = Field(default=None, ge=1, description="new tokens at most")
     temperature: float = Field(default=Sampling.temperature, ge=0.0, le=2.0, description="0 decodes greedily")
-    top_p: float = Field(default=Sampling.top_p, gt=0.0, le=1.0, description=Sampling.help("top_p"))
+    top_p: float = Field(default=Sampling.top_p, gt=0.0, le=1.0, description=describe(Sampling, "top_p"))
     stop: str | list[str] | None = Field(default=None, description="up to 4 strings that end the answer")
     seed: int | None = None
     n: int = Field(default=1, ge=1, json_schema_extra={"maximum": 1}, description="choices per request: only 1")
