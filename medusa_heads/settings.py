@@ -19,11 +19,11 @@ def describe(cls: type, name: str) -> str:
     return f"{setting_.metadata['help']} (default: {setting_.default})"
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     """One option per field of the settings dataclass cls: --name-with-dashes, its type, default, choices and
     help from the field; a boolean that defaults to False is a switch, one that defaults to True gets --no-NAME."""
     for f in fields(cls):
-        if f.name in skip or f.default is MISSING:
+        if f.default is MISSING:
             continue
         flag = "--" + f.name.replace("_", "-")
         if isinstance(f.default, bool):

@@ -206,7 +206,8 @@ def install(model: nn.Module, sample: Callable[[], object] | None = None) -> Non
         return
     layers = [layer for layer in cpu_linears(model) if type(layer) is nn.Linear]
     groups = _siblings(layers, sample) if sample and layers else []
-    needed = sum(layer.weight.nbytes for layer in layers) + sum(g.weight_bytes for g in groups)
+    fused = [layer for group in groups for layer in group.layers]  # their concatenated weights: one more copy
+    needed = sum(layer.weight.nbytes for layer in layers + fused)
     if needed > _free_memory() / 2:
         warnings.warn(f"packed weights would take {needed / 2**30:.1f} GiB, more than half the free memory: "
                       "decoding without them (slower on a CPU)", stacklevel=2)
@@ -247,7 +248,6 @@ class Siblings:
     def __init__(self, layers: list[nn.Linear]):
         self.layers = layers
         self.sizes = [layer.out_features for layer in layers]
-        self.weight_bytes = sum(layer.weight.nbytes for layer in layers)
         self._version: tuple = ()
         self._fused: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.pending: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None  # first one's input, outputs
