@@ -89,31 +89,36 @@ def typical_accept(probs: torch.Tensor, tokens: torch.Tensor, epsilon: float, de
 
 
 def repeats_a_sibling(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-    """(B, n): True where an earlier node with the same parent holds the same token."""
-    index = torch.arange(parents.shape[0], device=parents.device)
-    earlier_sibling = (parents[:, None] == parents[None, :]) & (index[None, :] < index[:, None]) & (index[None, :] > 0)
+    """(B, n): True where an earlier node with the same parent holds the same token; parents (n,) or (B, n)."""
+    parents = parents.expand(tokens.shape)
+    index = torch.arange(parents.shape[-1], device=parents.device)
+    earlier_sibling = ((parents[:, :, None] == parents[:, None, :]) & (index[None, :] < index[:, None])
+                       & (index[None, :] > 0))
     return ((tokens[:, :, None] == tokens[:, None, :]) & earlier_sibling).any(-1)
 
 
 def longest_path(accept: torch.Tensor, retrieve: torch.Tensor, score: torch.Tensor | None = None):
     """The longest accepted prefix over all root-to-leaf paths.
 
-    accept: (B, n) per-node test results (the root's is ignored); retrieve: (P, depth+1), -1 padded;
-    score: optional (B, n) per-node score that breaks ties between equally long paths.
-    Returns (path (B, depth+1), count (B,)).
+    accept: (B, n) per-node test results (the root's is ignored); retrieve: (P, depth+1) or, one tree per
+    row, (B, P, depth+1), -1 padded; score: optional (B, n) per-node score that breaks ties between equally
+    long paths. Returns (path (B, depth+1), count (B,)).
     """
-    nodes = retrieve.clamp(min=0)[:, 1:]  # (P, depth)
-    ok = accept[:, nodes] & (retrieve[:, 1:] >= 0)  # (B, P, depth)
+    batch = accept.shape[0]
+    retrieve = retrieve.expand(batch, *retrieve.shape[-2:])
+    nodes = retrieve.clamp(min=0)[..., 1:]  # (B, P, depth)
+    flat = nodes.reshape(batch, -1)
+    ok = accept.gather(1, flat).view(nodes.shape) & (retrieve[..., 1:] >= 0)  # (B, P, depth)
     run = ok.long().cumprod(-1)
     lengths = run.sum(-1)  # (B, P)
     if score is None:
         best = lengths.argmax(-1)
     else:
-        path_score = (score[:, nodes] * run).sum(-1)
+        path_score = (score.gather(1, flat).view(nodes.shape) * run).sum(-1)
         ties = lengths == lengths.max(-1, keepdim=True).values
         best = path_score.masked_fill(~ties, float("-inf")).argmax(-1)
-    rows = torch.arange(accept.shape[0], device=accept.device)
-    return retrieve[best], lengths[rows, best]
+    rows = torch.arange(batch, device=accept.device)
+    return retrieve[rows, best], lengths[rows, best]
 
 
 def accept(
@@ -124,15 +129,18 @@ def accept(
     sampling: Sampling,
     generator: torch.Generator | None = None,
 ) -> Accepted:
-    """Verify a tree: tokens (B, n) at the tree nodes, logits (B, n, V) the base model's there."""
+    """Verify a tree: tokens (B, n) at the tree nodes, logits (B, n, V) the base model's there; parents (n,)
+    and retrieve (P, depth+1) describe the tree (`Tree`), or one tree per row, (B, n) and (B, P, depth+1)."""
     score = None
+    parents = parents.expand(tokens.shape)
     if sampling.acceptance == "typical":
-        parent_probs = sampling_probs(logits, sampling.temperature, sampling.top_p)[:, parents]  # (B, n, V)
+        probs = sampling_probs(logits, sampling.temperature, sampling.top_p)
+        parent_probs = probs.gather(1, parents[..., None].expand(-1, -1, probs.shape[-1]))  # (B, n, V)
         passed = typical_accept(parent_probs, tokens, sampling.epsilon, sampling.delta)
         score = torch.log(parent_probs.gather(-1, tokens[..., None])[..., 0].clamp_min(1e-30))
     else:
         target = choose(logits, sampling, generator)  # (B, n): argmax or one sample per node
-        passed = tokens == target[:, parents]
+        passed = tokens == target.gather(1, parents)
         if sampling.acceptance == "exact":
             passed &= ~repeats_a_sibling(tokens, parents)
     path, count = longest_path(passed, retrieve, score)

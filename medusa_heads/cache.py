@@ -76,9 +76,10 @@ class TreeCache(Cache):
             return keys[self.subset, :, :span], values[self.subset, :, :span]
         return keys[:, :, :span], values[:, :, :span]
 
-    def prepare(self, query_length: int, visible: int, rows: torch.Tensor | None = None) -> None:
-        """Set where the next pass writes its `query_length` tokens, and how many slots it reads;
-        `rows` (B',) runs the pass on those rows only (e.g. a prefill in chunks of similar lengths)."""
+    def prepare(self, query_length: int, visible: int, rows: torch.Tensor | None = None, offset: int = 0) -> None:
+        """Set where the next pass writes its `query_length` tokens (from `offset` slots past each row's
+        length), and how many slots it reads; `rows` (B',) runs the pass on those rows only (e.g. a prefill
+        in chunks of similar lengths)."""
         if visible > self.max_len:
             raise RuntimeError(f"KV cache of {self.max_len} slots cannot hold {visible} tokens")
         every = torch.arange(self.lengths.shape[0], device=self.lengths.device)
@@ -87,7 +88,7 @@ class TreeCache(Cache):
         self.subset = rows
         if rows is None:
             rows = every
-        offsets = torch.arange(query_length, device=self.lengths.device)
+        offsets = torch.arange(offset, offset + query_length, device=self.lengths.device)
         self.write_index = (rows[:, None], self.lengths[rows, None] + offsets)
         self.visible = visible
 

@@ -240,7 +240,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.base is None:  # named, so that the default base gets fresh heads, not the shipped ones
         args.base = str(default_base_dir())
     model = load_model(args, num_heads=config.num_heads, num_layers=config.num_layers, projection=config.projection,
-                       draft_vocab=config.draft_vocab, next_token=config.next_token, chained=config.chained)
+                       draft_vocab=config.draft_vocab, next_token=config.next_token, chained=config.chained,
+                       draft=config.draft)
     train, held_out, skipped = prepare_examples(model, args.data, config)
     if skipped:
         print(f"skipped {skipped} malformed records")

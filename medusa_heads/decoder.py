@@ -6,6 +6,9 @@ the text's last n-gram where it occurred before); the base model verifies all tr
 (a 4D mask lets each see the prompt and its ancestors; position = length + depth); acceptance keeps
 the longest agreeing path plus a bonus token; the cache keeps the accepted rows.
 
+With an EAGLE-style draft instead of heads (`medusa_heads.eagle`), the draft grows each row's tree anew
+at every step (`DynamicTree`), and the same pass verifies it.
+
 Rows carry their own lengths, so prompts of different lengths (padded on either side, described by
 `attention_mask`) decode together, and a row that finishes leaves the batch.
 """
@@ -18,10 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import adapter, adaptive, lookup, speed
+from . import adapter, adaptive, eagle, lookup, speed
 from .acceptance import Sampling, accept, choose
 from .cache import TreeCache
-from .tree import Tree
+from .tree import DynamicTree, StepTree, Tree
 
 
 def mean_accepted_length(accept_lengths: list[list[int]]) -> float:
@@ -86,17 +89,16 @@ class Decoder:
     rows leave the batch; `progress` and `text` read a row, `cancel` stops it, `forget` drops its record.
     With `adapt`, each row's tree follows what it accepts (`medusa_heads.adaptive`)."""
 
-    def __init__(self, model, tree: Tree, adapt: bool = False):
-        if tree.size > 1:
-            heads = model.heads.config
-            tree.check(heads.num_heads, heads.draft_vocab or heads.vocab_size)
+    def __init__(self, model, tree: Tree | DynamicTree, adapt: bool = False):
+        _check_tree(model, tree, adapt)
         from .tuning import tuning  # (it decodes to measure)
 
         self.model, self.tree, self.device, self.adapt = model, tree, model.device, adapt
         model.install_speed_levers()
         tuned = tuning(model)
         self.routes = tuned.routes if tuned else None  # the kernel route of each product, as probed here
-        self.full = _Buffers(tree, self.device)
+        self.drafting = eagle.Drafting(model.heads, tree) if isinstance(tree, DynamicTree) else None
+        self.full = None if self.drafting else _Buffers(tree, self.device)
         # the root and the lookup branch alone: the steps whose rows' heads do not pay
         self.lookup_only = _Buffers(Tree([], lookup=tree.lookup), self.device) if adapt and tree.lookup else None
         curve = tuned.cost_curve if adapt and tuned and tree.head_size > 1 else None
@@ -184,7 +186,7 @@ class Decoder:
         layers = self.model.config.get_text_config().num_hidden_layers
         longest = max(self._rows[i].max_new_tokens for i in ids_of_rows)
         cache = TreeCache(layers, len(prompts), int(lengths.max()) + longest + self.tree.size, self.device)
-        last = None  # (B, H) hidden state of each prompt's last token
+        last = features = None  # (B, H) hidden state of each prompt's last token; (B, T, H) all, for a draft
         for chunk in _similar_lengths(prompts):  # little padding, bounded memory
             width = max(len(prompts[b]) for b in chunk)
             ids = pad_batch([prompts[b] for b in chunk])[0].to(self.device)
@@ -194,12 +196,20 @@ class Decoder:
             hidden = self._forward(cache, ids, positions, allowed[:, None], visible=width, rows=rows)
             if last is None:
                 last = hidden.new_empty(len(prompts), hidden.shape[-1])
+                if self.drafting:
+                    features = hidden.new_zeros(len(prompts), int(lengths.max()), hidden.shape[-1])
             last[rows] = hidden[torch.arange(len(chunk), device=self.device), lengths[rows] - 1]
+            if self.drafting:
+                features[rows, :width] = hidden
         logits = adapter.logits(self.model.base_model, last)
         first = torch.empty(len(prompts), dtype=torch.long, device=self.device)
         for positions_, row in self._groups(ids_of_rows):
             first[positions_] = choose(logits[positions_], row.sampling, row.generator)
         cache.commit(lengths)
+        if self.drafting:  # the draft's entries: each position's features with the token after it
+            after = pad_batch([[*p[1:], 0] for p in prompts])[0].to(self.device)
+            after[torch.arange(len(prompts), device=self.device), lengths - 1] = first
+            self.drafting.join(features, after, lengths, cache.max_len)
         if self.active:
             self.cache.extend(cache)
             self.hidden, self.root = torch.cat([self.hidden, last]), torch.cat([self.root, first])
@@ -213,31 +223,37 @@ class Decoder:
     def _decode(self) -> None:
         batch = self.root.shape[0]
         requests = [self._rows[i] for i in self.active]
-        heads_on = self.tree.head_size > 1 and self._heads_pay(requests)
-        buffers = self.full if heads_on or self.lookup_only is None else self.lookup_only
-        tokens = self.root[:, None]
-        if heads_on:
-            candidates = self.model.heads.draft(self.hidden, self.root, buffers.levels, self.tree.topk)
-            tokens = torch.cat([tokens, candidates], dim=1)  # (B, head_size)
-        drafts = [lookup.continuation(r.prompt + r.tokens, r.lookup_budget) for r in requests if self.tree.lookup]
-        if any(drafts):
-            tokens = torch.cat([tokens, self._padded(drafts, requests)], dim=1)
-        n = tokens.shape[1]  # this step's tree: the first n nodes (the lookup branch may be cut short)
-        parents, retrieve = buffers.parents[:n], buffers.retrieve.masked_fill(buffers.retrieve >= n, -1)
+        heads_on = drafts = None
+        if self.drafting:
+            step = self.drafting.tree(self.root)
+        else:
+            heads_on = self.tree.head_size > 1 and self._heads_pay(requests)
+            buffers = self.full if heads_on or self.lookup_only is None else self.lookup_only
+            tokens = self.root[:, None]
+            if heads_on:
+                candidates = self.model.heads.draft(self.hidden, self.root, buffers.levels, self.tree.topk)
+                tokens = torch.cat([tokens, candidates], dim=1)  # (B, head_size)
+            drafts = [lookup.continuation(r.prompt + r.tokens, r.lookup_budget) for r in requests if self.tree.lookup]
+            if any(drafts):
+                tokens = torch.cat([tokens, self._padded(drafts, requests)], dim=1)
+            step = StepTree.of(self.tree, tokens, buffers)  # the first n nodes (the lookup branch may be cut short)
+        tokens = step.tokens
+        n = tokens.shape[1]
         lengths = self.cache.lengths
-        positions = lengths[:, None] + buffers.depths[:n]  # (B, n)
+        positions = lengths[:, None] + step.depths  # (B, n)
         slots = torch.arange(int(lengths.max()) + n, device=self.device)
         rel = slots[None, :] - lengths[:, None]  # (B, S): slot offset from each row's tree start
         in_tree = (rel >= 0) & (rel < n)
-        tree_part = buffers.mask[:n, rel.clamp(0, n - 1)].permute(1, 0, 2) & in_tree[:, None]  # (B, n, S)
-        allowed = (rel < 0)[:, None, :] | tree_part
+        tree_part = step.mask.gather(2, rel.clamp(0, n - 1)[:, None, :].expand(batch, n, -1)) & in_tree[:, None]
+        allowed = (rel < 0)[:, None, :] | tree_part  # (B, n, S)
         hidden = self._forward(self.cache, tokens, positions, allowed[:, None], visible=slots.numel(), compiled=True)
         logits = adapter.logits(self.model.base_model, hidden)  # (B, n, V)
-        path = torch.empty(batch, retrieve.shape[1], dtype=torch.long, device=self.device)
+        path = torch.empty(batch, step.retrieve.shape[-1], dtype=torch.long, device=self.device)
         count = torch.empty(batch, dtype=torch.long, device=self.device)
         next_token = torch.empty(batch, dtype=torch.long, device=self.device)
         for group, row in self._groups(self.active):  # rows sharing settings are accepted together
-            result = accept(tokens[group], logits[group], parents, retrieve, row.sampling, row.generator)
+            result = accept(tokens[group], logits[group], step.parents[group], step.retrieve[group], row.sampling,
+                            row.generator)
             path[group], count[group], next_token[group] = result.path, result.count, result.next_token
         path = path.clamp(min=0)  # (B, depth+1)
         self.cache.commit(count + 1, path if n > 1 else None)
@@ -245,6 +261,9 @@ class Decoder:
         self.hidden, self.root = hidden[rows, path[rows, count]], next_token
         emitted = torch.cat([tokens.gather(1, path[:, 1:]), next_token[:, None]], dim=1)  # (B, depth+1)
         emitted[rows, count] = next_token  # the bonus goes right after the accepted candidates
+        if self.drafting:  # the accepted nodes' features, each with the token after it
+            self.drafting.accepted(hidden.gather(1, path[..., None].expand(-1, -1, hidden.shape[-1])), emitted,
+                                   count + 1)
         if self.adapt:
             self._follow(requests, tokens, emitted, count, drafts, heads_on)
         self._emit(emitted, count + 1, positions=range(batch))
@@ -342,6 +361,8 @@ class Decoder:
         index = torch.tensor(order, dtype=torch.long, device=self.device)
         self.hidden, self.root = self.hidden[index], self.root[index]
         self.cache.keep_rows(index)
+        if self.drafting:
+            self.drafting.keep(index)
 
     def text(self, row_id: int) -> str:
         """A row's decoded text so far, cut before a stop string."""
@@ -408,6 +429,22 @@ def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> li
     if any(not p for p in prompts):
         raise ValueError("every prompt needs at least one token (a row of attention_mask is all zeros)")
     return prompts
+
+
+def _check_tree(model, tree: Tree | DynamicTree, adapt: bool) -> None:
+    """Raise when the tree does not fit the model's draft (Medusa heads or an EAGLE-style draft)."""
+    draft = model.heads
+    if isinstance(draft, eagle.EagleDraft):
+        if isinstance(tree, Tree) and tree.size > 1:
+            raise ValueError(f"an EAGLE-style draft grows its own tree at each step: use tree='dynamic-NxDxK' "
+                             f"(e.g. 'dynamic-16x4x4') or 'auto', not {tree.name!r}")
+    elif isinstance(tree, DynamicTree):
+        raise ValueError(f"{tree.name!r} is grown by an EAGLE-style draft; these are Medusa heads: use a static "
+                         "tree (e.g. 'auto', 'default', 'chain-3')")
+    elif tree.size > 1:
+        tree.check(draft.config.num_heads, draft.config.draft_vocab or draft.config.vocab_size)
+    if adapt and isinstance(tree, DynamicTree):
+        raise ValueError("adapt follows a static tree's heads; a dynamic tree follows the draft's confidence already")
 
 
 def _eos_ids(model, eos_token_id) -> set[int]:

@@ -7,8 +7,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from . import speed
 from .tree import Level
+from .vocabulary import DraftVocabulary
 
 PROJECTIONS = ("own", "shared")
 
@@ -52,7 +52,7 @@ class ResBlock(nn.Module):
         return x + nn.functional.silu(self.linear(x))
 
 
-class MedusaHeads(nn.Module):
+class MedusaHeads(DraftVocabulary):
     """K Medusa heads over the base model's last hidden state.
 
     `next_token` heads also read the token the base model chose at that position (the tree's root):
@@ -88,25 +88,8 @@ class MedusaHeads(nn.Module):
             self.projections = nn.ModuleList(_copy_linear(lm_head) for _ in range(config.num_heads))
         else:
             self.projections = None
-        # Held outside the module tree: the base model owns it, we only borrow it.
-        object.__setattr__(self, "base_lm_head", lm_head)
-        draft = torch.arange(config.draft_vocab) if config.draft_vocab else None
-        self.register_buffer("token_map", draft)  # saved with the heads (None: the full vocabulary)
-        self.register_buffer("draft_weight", None if draft is None else lm_head.weight.detach()[draft].clone(),
-                             persistent=False)
-        if draft is not None:
-            self.register_load_state_dict_post_hook(lambda module, _: module.set_token_map(module.token_map))
+        self.borrow_lm_head(lm_head, config.draft_vocab)
         self.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
-
-    def set_token_map(self, token_ids: torch.Tensor) -> None:
-        """Choose the draft vocabulary: the token ids the heads may propose (draft_vocab of them)."""
-        if self.token_map is None or token_ids.shape != self.token_map.shape:
-            raise ValueError(f"need {self.config.draft_vocab} token ids for this draft vocabulary")
-        if token_ids.numel() and not 0 <= int(token_ids.min()) <= int(token_ids.max()) < self.config.vocab_size:
-            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}) for this vocabulary")
-        with torch.no_grad():
-            self.token_map.copy_(token_ids)
-            self.draft_weight.copy_(self.base_lm_head.weight[self.token_map.to(self.base_lm_head.weight.device)])
 
     def states(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None,
                num_heads: int | None = None) -> torch.Tensor:
@@ -145,7 +128,7 @@ class MedusaHeads(nn.Module):
     def propose(self, hidden: torch.Tensor, topk: int, num_heads: int | None = None,
                 tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids of each head's top-k guesses, best first: (K, *hidden.shape[:-1], topk)."""
-        return self._token_ids(self(hidden, num_heads, tokens).topk(topk, dim=-1).indices)
+        return self.token_ids(self(hidden, num_heads, tokens).topk(topk, dim=-1).indices)
 
     def draft(self, hidden: torch.Tensor, root: torch.Tensor, levels: list[Level], topk: int) -> torch.Tensor:
         """Candidate tokens of a tree's head nodes, (B, nodes - 1), for rows whose last accepted
@@ -160,17 +143,9 @@ class MedusaHeads(nn.Module):
         state = hidden[:, None].to(self._dtype)  # (B, 1 or the previous depth's sources, H)
         for k, level in enumerate(levels):
             state = self._advance(state[:, level.parents], k, self._token_features(tokens[:, level.sources]))
-            top = self._token_ids(self.project(state, k).topk(topk, dim=-1).indices)  # (B, sources, topk)
+            top = self.token_ids(self.project(state, k).topk(topk, dim=-1).indices)  # (B, sources, topk)
             tokens[:, level.children] = top[:, level.source_of_child, level.ranks]
         return tokens[:, 1:]
-
-    def draft_index(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Where each token id sits in the heads' logits; -1 for tokens outside the draft vocabulary."""
-        if self.token_map is None:
-            return token_ids
-        lookup = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=token_ids.device)
-        lookup[self.token_map.to(token_ids.device)] = torch.arange(len(self.token_map), device=token_ids.device)
-        return lookup[token_ids]
 
     def _token_features(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """The RMS-normalised lm_head rows of these tokens, for next_token heads (else None)."""
@@ -185,18 +160,11 @@ class MedusaHeads(nn.Module):
             state = state + self.token_inputs[k](features)
         return self.blocks[k](state)
 
-    def _token_ids(self, top: torch.Tensor) -> torch.Tensor:
-        return top if self.token_map is None else self.token_map[top]
-
     def project(self, states: torch.Tensor, k: int | None = None) -> torch.Tensor:
         """Vocabulary (or draft vocabulary) logits of head states; k: whose projection, for own projections."""
         if self.projections is not None:
             return self.projections[k](states)
-        if self.token_map is None:
-            return self.base_lm_head(states.to(self.base_lm_head.weight.dtype))
-        bias = getattr(self.base_lm_head, "bias", None)
-        bias = None if bias is None else bias[self.token_map].to(self.draft_weight.dtype)
-        return speed.linear(states.to(self.draft_weight.dtype), self.draft_weight, bias)
+        return self.shared_logits(states)
 
     @property
     def _dtype(self) -> torch.dtype:

@@ -1,4 +1,5 @@
-"""Heads folders: the native one (config.json + model.safetensors), and foreign layouts, loaded strictly."""
+"""Heads folders: the native one (config.json + model.safetensors; Medusa heads or an EAGLE-style draft,
+told apart by the config's "kind"), and foreign Medusa layouts, loaded strictly."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from . import formats
+from . import adapter, eagle, formats
+from .eagle import EagleConfig, EagleDraft
 from .heads import HeadsConfig, MedusaHeads
 
 FORMAT = "medusa-heads"
@@ -32,7 +34,7 @@ def folder_format(directory: str | Path) -> str:
         raise HeadsFormatError(str(err)) from err
 
 
-def save_heads(heads: MedusaHeads, directory: str | Path, base_model: str = "", **extra) -> Path:
+def save_heads(heads: MedusaHeads | EagleDraft, directory: str | Path, base_model: str = "", **extra) -> Path:
     """Write heads as a native folder; `extra` entries (e.g. training metrics) go into config.json."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -61,15 +63,21 @@ def read_config(directory: str | Path) -> dict:
     return config
 
 
-def load_heads(directory: str | Path, lm_head: torch.nn.Module) -> MedusaHeads:
-    """Build heads for a base whose lm_head is given and fill them from a heads folder, strictly."""
+def load_heads(directory: str | Path, base) -> MedusaHeads | EagleDraft:
+    """Build the draft (Medusa heads or an EAGLE-style draft) a heads folder holds, for this base model,
+    and fill it from the folder, strictly."""
     directory = Path(directory)
+    lm_head = adapter.lm_head(base)
     kind = folder_format(directory)
     if kind != "native":
         return _load_foreign(directory, kind, lm_head)
     raw = read_config(directory)
-    fields = HeadsConfig.__dataclass_fields__
-    config = HeadsConfig(**{k: v for k, v in raw.items() if k in fields})
+    draft_class = EagleConfig if raw.get("kind") == eagle.KIND else HeadsConfig
+    fields = draft_class.__dataclass_fields__
+    try:
+        config = draft_class(**{k: v for k, v in raw.items() if k in fields})
+    except (TypeError, ValueError) as err:
+        raise HeadsFormatError(f"{directory / CONFIG_FILE} does not describe a draft: {err}") from err
     _check_sizes(config, lm_head, directory, raw.get("base_model"))
     weights = directory / WEIGHTS_FILE
     if not weights.exists():
@@ -78,7 +86,8 @@ def load_heads(directory: str | Path, lm_head: torch.nn.Module) -> MedusaHeads:
         state = load_file(weights)
     except Exception as err:  # safetensors raises several types for a damaged file
         raise HeadsFormatError(f"cannot read {weights}: {err}") from err
-    heads = MedusaHeads(config, lm_head)
+    heads = (EagleDraft(config, base.get_input_embeddings(), lm_head) if isinstance(config, EagleConfig)
+             else MedusaHeads(config, lm_head))
     load_strict(heads, state, source=str(weights))
     return heads
 
@@ -101,7 +110,8 @@ def _load_foreign(directory: Path, kind: str, lm_head: torch.nn.Module) -> Medus
     return heads
 
 
-def _check_sizes(config: HeadsConfig, lm_head: torch.nn.Module, directory: Path, made_for: str | None) -> None:
+def _check_sizes(config: HeadsConfig | EagleConfig, lm_head: torch.nn.Module, directory: Path,
+                 made_for: str | None) -> None:
     vocab, hidden = lm_head.weight.shape
     if (config.hidden_size, config.vocab_size) != (hidden, vocab):
         raise HeadsFormatError(
@@ -132,6 +142,9 @@ def export_heads(heads: MedusaHeads, out: str | Path, fmt: str, base_model: str 
 
     A draft vocabulary is not exported: the engines project onto the full vocabulary.
     """
+    if isinstance(heads, EagleDraft):
+        raise ValueError("this is an EAGLE-style draft; the engines' Medusa layouts hold Medusa heads only: export "
+                         "Medusa heads, or serve the draft with `medusa serve`")
     config = heads.config
     if config.next_token:
         raise ValueError("these heads read the base model's next token, which the engines' Medusa heads do not: "

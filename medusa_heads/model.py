@@ -13,20 +13,23 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from . import adapter, default, speed
 from .calibrate import Record
+from .eagle import EagleConfig, EagleDraft
 from .heads import HeadsConfig, MedusaHeads
 from .io import load_heads, save_heads
 
+DRAFTS = ("medusa", "eagle")  # what drafts a step's candidates: Medusa heads, or an EAGLE-style draft
+
 
 class MedusaModel(nn.Module):
-    """A base causal LM plus Medusa heads.
+    """A base causal LM plus Medusa heads (or an EAGLE-style draft in their place).
 
-    Attributes: `base_model` (the Hugging Face model, untouched), `heads` (MedusaHeads),
+    Attributes: `base_model` (the Hugging Face model, untouched), `heads` (MedusaHeads or EagleDraft),
     `tokenizer` (or None), `config` (the base model's config), `compiled_decoder` (None unless
     `compile_decoding()` was called), `record` (the heads' replay record, from which each machine
     chooses its tree, or None), `tuning` (what the probe chose here, once decoding has begun).
     """
 
-    def __init__(self, base_model: PreTrainedModel, heads: MedusaHeads, tokenizer: Any = None,
+    def __init__(self, base_model: PreTrainedModel, heads: MedusaHeads | EagleDraft, tokenizer: Any = None,
                  record: Record | None = None):
         super().__init__()
         adapter.check_supported(base_model)
@@ -49,12 +52,14 @@ class MedusaModel(nn.Module):
         draft_vocab: int = 0,
         next_token: bool = False,
         chained: bool = False,
+        draft: str = "medusa",
         tokenizer: Any = None,
         **hf_kwargs: Any,
     ) -> MedusaModel:
         """Load a base model (hub id, local folder, GGUF file, loaded model; None: the embedded
         default) and attach heads from a folder, or fresh heads when `heads` is None (num_heads,
-        num_layers, projection, draft_vocab, next_token and chained describe fresh heads; see HeadsConfig).
+        num_layers, projection, draft_vocab, next_token and chained describe fresh heads; see HeadsConfig;
+        draft="eagle": a fresh EAGLE-style draft instead, with draft_vocab; see `medusa_heads.eagle`).
 
         With no base and no heads, the heads shipped for the embedded default are attached.
         `hf_kwargs` go to `AutoModelForCausalLM.from_pretrained` (e.g. dtype, device_map).
@@ -71,12 +76,17 @@ class MedusaModel(nn.Module):
         tokenizer = tokenizer if tokenizer is not None else tok
         lm_head = adapter.lm_head(base_model)
         record = None
-        if heads is None:
+        if draft not in DRAFTS:
+            raise ValueError(f"draft must be one of {DRAFTS}, got {draft!r}")
+        if heads is None and draft == "eagle":
+            medusa_heads = EagleDraft(EagleConfig.for_base(base_model.config, draft_vocab),
+                                      base_model.get_input_embeddings(), lm_head)
+        elif heads is None:
             vocab, hidden = lm_head.weight.shape
             config = HeadsConfig(num_heads, num_layers, projection, hidden, vocab, draft_vocab, next_token, chained)
             medusa_heads = MedusaHeads(config, lm_head)
         else:
-            medusa_heads = load_heads(heads, lm_head)
+            medusa_heads = load_heads(heads, base_model)
             _warn_other_base(heads, base_model)
             if (Path(heads) / Record.FILE).exists():
                 record = Record.load(Path(heads) / Record.FILE)

@@ -4,6 +4,9 @@ A path lists, per depth, the rank of the candidate taken from that depth's head:
 of head 1 then rank 1 of head 2. Node 0 is the root (the base model's own next token); the other
 nodes are sorted by depth so that every parent comes before its children.
 
+An EAGLE-style draft grows a new tree at every step instead (`DynamicTree`, `medusa_heads.eagle`). Either
+way, what one step verifies is a `StepTree`: one tree per row.
+
 A tree may also carry a prompt-lookup branch (`lookup` > 0): a chain of up to that many tokens
 below the root, drafted by `lookup.continuation` instead of the heads. Its nodes come after the
 head nodes, so a step without a lookup match verifies only the head part: every buffer's prefix.
@@ -127,14 +130,15 @@ class Tree:
         return cls(paths, name=f"dense-{width}x{depth}")
 
     @classmethod
-    def load(cls, spec: str | Path | Tree | list) -> Tree:
-        """A Tree from a preset name, a JSON file, or a list of paths.
+    def load(cls, spec: str | Path | Tree | list) -> Tree | DynamicTree:
+        """A Tree from a preset name, a JSON file, or a list of paths; 'dynamic-NxDxK' is the `DynamicTree`
+        an EAGLE-style draft grows.
 
         Presets: 'plain' (no candidates), 'chain-D', 'dense-WxD', and the JSON files shipped in
         medusa_heads/trees ('reference' is the original 63-node tree, 'default' the calibrated one).
         'SPEC+lookupL' adds (or replaces) a prompt-lookup branch of L tokens; 'SPEC+lookup0' drops it.
         """
-        if isinstance(spec, Tree):
+        if isinstance(spec, (Tree, DynamicTree)):
             return spec
         if isinstance(spec, list):
             return cls(spec)
@@ -143,6 +147,8 @@ class Tree:
             return cls.load(m[1]).with_lookup(int(m[2]))
         if text == "plain":
             return cls.chain(0)
+        if m := re.fullmatch(r"dynamic-(\d+)x(\d+)x(\d+)", text):
+            return DynamicTree(int(m[1]), int(m[2]), int(m[3]))
         if m := re.fullmatch(r"chain-(\d+)", text):
             return cls.chain(int(m[1]))
         if m := re.fullmatch(r"dense-(\d+)x(\d+)", text):
@@ -159,3 +165,76 @@ class Tree:
         if isinstance(data, list):
             return cls(data, name=file.stem)
         return cls(data["paths"], name=data.get("name", file.stem), lookup=data.get("lookup", 0))
+
+
+@dataclass
+class StepTree:
+    """The trees one decoding step verifies, one per row, nodes sorted so that parents come first."""
+
+    tokens: torch.Tensor  # (B, n) the node tokens, the root's first
+    parents: torch.Tensor  # (B, n) the root is its own parent
+    depths: torch.Tensor  # (B, n)
+    mask: torch.Tensor  # (B, n, n) node i sees its ancestors and itself
+    retrieve: torch.Tensor  # (B, P, reach + 1) root-to-node paths, -1 padded
+
+    @classmethod
+    def of(cls, tree: Tree, tokens: torch.Tensor, buffers) -> StepTree:
+        """A static tree's first tokens.shape[1] nodes for every row (`buffers`: the tree's tensors on the
+        device, as views: nothing is copied per row)."""
+        batch, n = tokens.shape
+        retrieve = buffers.retrieve.masked_fill(buffers.retrieve >= n, -1) if n < tree.size else buffers.retrieve
+        return cls(tokens, buffers.parents[:n].expand(batch, n), buffers.depths[:n].expand(batch, n),
+                   buffers.mask[:n, :n].expand(batch, n, n), retrieve.expand(batch, *retrieve.shape))
+
+    @classmethod
+    def from_parents(cls, tokens: torch.Tensor, parents: torch.Tensor, depth: int) -> StepTree:
+        """The trees of these per-row parents (B, n), at most `depth` deep; every node ends a path."""
+        batch, n = parents.shape
+        eye = torch.eye(n, dtype=torch.bool, device=parents.device).expand(batch, n, n)
+        mask = eye
+        for _ in range(depth):
+            mask = eye | mask.gather(1, parents[..., None].expand(batch, n, n))
+        depths = mask.sum(-1) - 1
+        levels = torch.arange(depth + 1, device=parents.device)
+        at_level = mask[:, :, None, :] & (depths[:, None, None, :] == levels[None, None, :, None])  # (B, n, D+1, n)
+        retrieve = torch.where(at_level.any(-1), at_level.int().argmax(-1), -1)
+        return cls(tokens, parents, depths, mask, retrieve)
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """A tree grown anew at every step by an EAGLE-style draft's own confidence (EAGLE-2): `depth` rounds,
+    each expanding the `topk` best frontier nodes by their `topk` best children; the `tokens - 1` best
+    nodes (a node scores the product of the draft's probabilities along its path) are verified with the
+    root. Named 'dynamic-TOKENSxDEPTHxTOPK'."""
+
+    tokens: int
+    depth: int
+    topk: int
+    lookup: int = 0  # (no prompt-lookup branch)
+
+    def __post_init__(self) -> None:
+        pool = self.topk + (self.depth - 1) * self.topk**2
+        if self.depth < 1 or self.topk < 1 or not 2 <= self.tokens <= pool + 1:
+            raise ValueError(f"a dynamic tree needs depth >= 1, topk >= 1 and 2 <= tokens <= {pool + 1} (what "
+                             f"{self.depth} rounds of top-{self.topk} grow, plus the root), got {self.name!r}")
+
+    @property
+    def name(self) -> str:
+        return f"dynamic-{self.tokens}x{self.depth}x{self.topk}"
+
+    @property
+    def size(self) -> int:
+        return self.tokens
+
+    head_size = size
+
+    @property
+    def reach(self) -> int:
+        return self.depth
+
+    def to_json(self) -> dict:
+        return {"name": self.name}
+
+    def __repr__(self) -> str:
+        return f"DynamicTree({self.name!r})"

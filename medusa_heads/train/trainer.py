@@ -1,4 +1,5 @@
-"""Training Medusa heads (Medusa-1, frozen backbone) or heads + LoRA backbone (Medusa-2), on accelerate.
+"""Training Medusa heads (Medusa-1, frozen backbone) or heads + LoRA backbone (Medusa-2), or an EAGLE-style
+draft (frozen backbone), on accelerate.
 
 One loop for both modes. `accelerate launch` or `torchrun` runs the same code on several devices
 (DDP through `Accelerator.prepare`); each process takes its shard of every epoch's shuffled order.
@@ -25,10 +26,10 @@ from transformers import get_cosine_schedule_with_warmup
 from .. import adapter
 from ..calibrate import Record
 from ..io import save_heads
-from ..model import MedusaModel
+from ..model import DRAFTS, MedusaModel
 from ..settings import setting
 from .data import IGNORE, Example, read_conversations, tokenize
-from .losses import distill_kl, heads_loss, lm_loss
+from .losses import distill_kl, eagle_loss, heads_loss, lm_loss
 
 MODES = ("medusa1", "medusa2")
 
@@ -37,13 +38,16 @@ MODES = ("medusa1", "medusa2")
 class TrainConfig:
     """How heads are trained; each field's help is the CLI's (`medusa train`)."""
 
+    draft: str = setting("medusa", "medusa: Medusa heads; eagle: an EAGLE-style draft (one decoder layer run "
+                         "autoregressively over the base's features; frozen backbone)", DRAFTS)
     mode: str = setting("medusa1", "medusa1: heads on a frozen backbone; medusa2: heads + a LoRA-tuned backbone",
                         MODES)
     num_heads: int = setting(4, "heads: head k guesses the token k+1 places ahead")
     num_layers: int = setting(1, "residual blocks per head")
     projection: str = setting("own", "each head's own vocabulary projection, or the base lm_head shared",
                               ("own", "shared"))
-    draft_vocab: int = setting(0, "shared projection: heads propose only the N most frequent answer tokens (cheaper)")
+    draft_vocab: int = setting(0, "shared projection (or an EAGLE draft): propose only the N most frequent answer "
+                                  "tokens (cheaper)")
     next_token: bool = setting(False, "heads also read the base model's next token (more accurate; native format only)")
     chained: bool = setting(False, "each head also reads the candidates of the heads before it (implies --next-token)")
     epochs: int = setting(2, "passes over the data")
@@ -63,6 +67,7 @@ class TrainConfig:
     head_loss_weight: float = setting(0.2, "Medusa-2: lambda_0 in LM loss + lambda_0 * heads loss")
     kl: bool = setting(False, "Medusa-2: KL to the original model instead of LM loss (self-distilled data)")
     heads_warmup_steps: int = setting(0, "Medusa-2: steps that train only the heads before the joint phase")
+    feature_noise: float = setting(0.2, "EAGLE draft: width of the uniform noise on its input features")
     lora_r: int = setting(16, "Medusa-2: LoRA rank")
     lora_alpha: int = setting(32, "Medusa-2: LoRA alpha")
     merge: bool = setting(False, "Medusa-2: save a merged model instead of the LoRA adapter")
@@ -70,6 +75,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.draft not in DRAFTS:
+            raise ValueError(f"draft must be one of {DRAFTS}, got {self.draft!r}")
+        if self.draft == "eagle" and self.mode != "medusa1":
+            raise ValueError("an EAGLE-style draft trains on a frozen backbone: use mode 'medusa1'")
         if self.epochs < 1 or self.batch_size < 1 or self.max_length < 8:
             raise ValueError("epochs and batch_size must be >= 1 and max_length >= 8")
         self.next_token = self.next_token or self.chained
@@ -209,6 +218,12 @@ class TrainModule(torch.nn.Module):
             del state[key]
         return state
 
+    def draft_loss(self, hidden, ids, labels, noise: float = 0.0):
+        """(loss, per-head stats) of the draft (Medusa heads or an EAGLE-style draft) over backbone states."""
+        if self.config.draft == "eagle":
+            return eagle_loss(self.heads, hidden, ids, labels, noise)
+        return heads_loss(self.heads, hidden, labels, self.config.decay, ids=ids)
+
     def forward(self, ids, labels, mask, hidden=None, joint: bool = True):
         """(loss, per-head stats) for one batch; `hidden` holds cached backbone states (Medusa-1)."""
         config = self.config
@@ -216,7 +231,7 @@ class TrainModule(torch.nn.Module):
             if hidden is None:
                 with torch.no_grad():
                     hidden = adapter.decoder(self.base)(input_ids=ids, attention_mask=mask).last_hidden_state
-            return heads_loss(self.heads, hidden.float(), labels, config.decay, ids=ids)
+            return self.draft_loss(hidden.float(), ids, labels, config.feature_noise)
         out = self.base(input_ids=ids, attention_mask=mask, output_hidden_states=True)
         hidden = out.hidden_states[-1]
         h_loss, stats = heads_loss(self.heads, (hidden if joint else hidden.detach()).float(), labels, config.decay,
@@ -327,9 +342,9 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, examples: list[Example], states: list[torch.Tensor] | None = None) -> list[dict]:
-        """Per-head top-1 / top-5 accuracy on held-out examples (from their cached hidden states, if given)."""
-        K = self.model.heads.config.num_heads
-        totals = torch.zeros(K, 3, dtype=torch.long)
+        """Per-head top-1 / top-5 accuracy on held-out examples (from their cached hidden states, if given); an
+        EAGLE draft's is one row: its guess of the token after next, from the base's features."""
+        totals = 0
         body = adapter.decoder(self.model.base_model)
         for start in range(0, len(examples), 8):
             chunk = slice(start, start + 8)
@@ -337,7 +352,7 @@ class Trainer:
                                                 None if states is None else states[chunk])
             if hidden is None:
                 hidden = body(input_ids=ids, attention_mask=mask).last_hidden_state
-            totals += heads_loss(self.model.heads, hidden.float(), labels, ids=ids)[1]
+            totals = totals + self.module.draft_loss(hidden.float(), ids, labels)[1]
         return [{"top1": t[0].item() / max(1, t[2].item()), "top5": t[1].item() / max(1, t[2].item()),
                  "targets": t[2].item()} for t in totals]
 
