@@ -93,15 +93,19 @@ class TreeCache(Cache):
         self.visible = visible
 
     def extend(self, other: TreeCache) -> None:
-        """Append other's rows to this batch (both padded to the longer slot axis)."""
+        """Append other's rows to this batch (both padded to the longer slot axis; a cache never written to
+        holds zeros)."""
         size = max(self.max_len, other.max_len)
+        like = self.keys if self.keys is not None else other.keys
 
-        def pad(t: torch.Tensor) -> torch.Tensor:
+        def rows(cache: TreeCache, t: torch.Tensor | None) -> torch.Tensor:
+            if t is None:
+                return like.new_zeros(like.shape[0], cache.lengths.shape[0], like.shape[2], size, like.shape[4])
             return torch.nn.functional.pad(t, (0, 0, 0, size - t.shape[3]))
 
-        if self.keys is not None and other.keys is not None:
-            self.keys = torch.cat([pad(self.keys), pad(other.keys)], dim=1)
-            self.values = torch.cat([pad(self.values), pad(other.values)], dim=1)
+        if like is not None:
+            self.keys = torch.cat([rows(self, self.keys), rows(other, other.keys)], dim=1)
+            self.values = torch.cat([rows(self, self.values), rows(other, other.values)], dim=1)
         self.lengths = torch.cat([self.lengths, other.lengths])
         self.max_len = size
 
