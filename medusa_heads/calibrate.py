@@ -21,6 +21,11 @@ What the heads do on the answers (accuracies and per-step ranks and drafts: a `R
 depend on the machine; only the cost curve does. So `medusa calibrate` saves the record with the
 heads (replay.json), and a new machine measures only its cost curve to choose its own tree
 (`choose`, called by `medusa_heads.tuning`).
+
+An EAGLE-style draft grows its own trees, so there is nothing to replay: its record (`DynamicRecord`,
+dynamic.json) is the accepted length that greedy decoding of the answers measures with each
+`DYNAMIC_SHAPES` tree, also the same on any machine; a machine then measures each shape's step cost and
+takes the best accepted length per cost (`choose_dynamic`).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from . import lookup
 from .accuracy import accuracy_table, head_ranks, rank_hits
 from .generate import make_decoder
 from .lookup import first_difference
-from .tree import Tree
+from .tree import DynamicTree, Tree
 
 LOOKUPS = (0, 2, 4, 6, 8, 12)  # prompt-lookup branch lengths tried
 TOLERANCE = 0.03  # replayed speed-ups this close to the best count as equal (c drifts 10 % between runs)
@@ -243,6 +248,71 @@ def choose(model, record: Record, ids: torch.Tensor, max_nodes: int = 64, sizes:
     _, _, tree, lookup_tokens = pick(options, tolerance)
     tree = Tree([list(p) for p in tree.paths], name="calibrated").with_lookup(lookup_tokens)
     return {"tree": tree, "table": table, "cost_curve": {"tokens": widths, "cost": fitted}}
+
+
+DYNAMIC_SHAPES = ("dynamic-3x2x1", "dynamic-5x4x1", "dynamic-8x3x3", "dynamic-12x4x3", "dynamic-16x4x4",
+                  "dynamic-24x5x4", "dynamic-32x6x6", "dynamic-48x6x8", "dynamic-64x7x8")  # an EAGLE draft's candidates
+
+
+@dataclass
+class DynamicRecord:
+    """The accepted length of an EAGLE-style draft with each dynamic tree, on the model's greedy answers to a
+    set of prompts (the same on any machine)."""
+
+    accepted_length: dict[str, float]  # DynamicTree name -> tokens per step, prefill included
+    prompts: int
+    max_new_tokens: int
+
+    FILE = "dynamic.json"  # its name in a heads folder
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> DynamicRecord:
+        return cls(**json.loads(Path(path).read_text()))
+
+    @cached_property
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_record(directory: str | Path) -> Record | DynamicRecord | None:
+    """The record saved in a heads folder (Medusa heads' replay record, or an EAGLE draft's), if any."""
+    for kind in (Record, DynamicRecord):
+        if (Path(directory) / kind.FILE).exists():
+            return kind.load(Path(directory) / kind.FILE)
+    return None
+
+
+@torch.inference_mode()
+def record_dynamic(model, prompts: list[torch.Tensor], max_new_tokens: int,
+                   shapes: tuple[str, ...] = DYNAMIC_SHAPES) -> DynamicRecord:
+    """Greedy-decode every prompt with every shape; the accepted length of each (all shapes give the same
+    tokens, so each is measured on the same answers)."""
+    accepted = {}
+    for name in shapes:
+        outputs = [model.generate(ids, max_new_tokens=max_new_tokens, tree=name) for ids in prompts]
+        accepted[name] = sum(len(o.new_tokens[0]) for o in outputs) / sum(o.steps for o in outputs)
+    return DynamicRecord(accepted, len(prompts), max_new_tokens)
+
+
+def choose_dynamic(model, record: DynamicRecord, ids: torch.Tensor, tolerance: float = TOLERANCE, steps: int = 8,
+                   rounds: int = 5, progress: Callable[[], None] | None = None) -> dict:
+    """This device's dynamic tree: each recorded shape's step cost measured here (relative to a plain step),
+    and of those whose accepted length per cost is within tolerance of the best, the one that accepts the
+    most. Returns the chosen tree, the table and the cost curve (by tokens verified per step)."""
+    shapes = [DynamicTree.parse(name) for name in record.accepted_length]
+    costs = cost_curve(model, ids, shapes, steps, rounds, progress)
+    table, options = [], [(1.0, 1.0, Tree([], name="plain"))]
+    for shape, cost in zip(shapes, costs, strict=True):
+        accepted = record.accepted_length[shape.name]
+        table.append({"tree": shape.name, "accepted_length": accepted, "cost": cost, "speedup": accepted / cost})
+        options.append((accepted / cost, accepted, shape))
+    _, _, tree = pick(options, tolerance)
+    curve = sorted({shape.size: cost for shape, cost in zip(shapes, costs, strict=True)}.items())
+    return {"tree": tree, "table": table,
+            "cost_curve": {"tokens": [1] + [n for n, _ in curve], "cost": [1.0] + [c for _, c in curve]}}
 
 
 def calibrate(model, prompts: list[torch.Tensor], max_new_tokens: int = 128, max_nodes: int = 64,

@@ -71,7 +71,8 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--tree", default="auto", help="auto (default: the tree probed fastest on this machine), a "
                         "preset (default, reference, chain-D, dense-WxD, plain) or a JSON file; append +lookupL for a "
-                        "prompt-lookup branch of L tokens (+lookup0 drops it)")
+                        "prompt-lookup branch of L tokens (+lookup0 drops it); an EAGLE-style draft grows "
+                        "dynamic-NxDxK trees (N tokens, D rounds of top-K)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--adapt", action="store_true",
                         help="the tree follows what each answer accepts (medusa_heads.adaptive)")
@@ -305,7 +306,8 @@ def setup_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait; beyond that: 429")
     p.add_argument("--max-new-tokens-limit", type=int, default=2048, help="largest max_tokens accepted")
     p.add_argument("--tree", default="auto",
-                   help="auto (default: probed on this machine), a tree preset or a JSON file (`medusa calibrate`)")
+                   help="auto (default: probed on this machine), a tree preset, dynamic-NxDxK (EAGLE-style drafts) "
+                        "or a JSON file (`medusa calibrate`)")
     p.add_argument("--log-level", default="warning")
 
 
@@ -324,6 +326,8 @@ def setup_chat(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
+    from .eagle import EagleDraft
+
     if args.probe:
         report_tuning(load_model(args), refresh=True)
         return
@@ -338,6 +342,9 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     if not kept:
         raise ValueError(f"{args.prompts}: no prompt left to calibrate on after --exclude")
     prompts = [model.chat_ids(turns[0]) for turns in kept]
+    if isinstance(model.heads, EagleDraft):
+        calibrate_dynamic(args, model, prompts)
+        return
     result = calibrate(model, prompts, args.max_new_tokens, args.max_nodes,
                        tolerance=TOLERANCE if args.tolerance is None else args.tolerance)
     print(f"head accuracies measured on the greedy answers to {len(prompts)} prompts")
@@ -357,6 +364,24 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     if record_file:
         record.save(record_file)
         print(f"replay record written to {record_file}: tree=auto chooses from it on any machine")
+
+
+def calibrate_dynamic(args: argparse.Namespace, model, prompts) -> None:
+    """`medusa calibrate` for an EAGLE-style draft: each dynamic tree's accepted length, and this machine's pick."""
+    from .calibrate import TOLERANCE, choose_dynamic, record_dynamic
+
+    record = record_dynamic(model, prompts, args.max_new_tokens)
+    result = choose_dynamic(model, record, prompts[0], TOLERANCE if args.tolerance is None else args.tolerance)
+    print(f"accepted lengths measured on the greedy answers to {len(prompts)} prompts")
+    print(f"{'tree':>16} {'accepted':>9} {'c(n)':>6} {'speed-up':>9}")
+    for row in result["table"]:
+        print(f"{row['tree']:>16} {row['accepted_length']:>9.3f} {row['cost']:>6.3f} {row['speedup']:>9.3f}")
+    result["tree"].save(args.out, table=result["table"], device=str(model.device))
+    print(f"chose {result['tree'].name}; written to {args.out}")
+    record_file = args.record or (Path(args.heads) / record.FILE if args.heads else None)
+    if record_file:
+        record.save(record_file)
+        print(f"accepted lengths written to {record_file}: tree=auto chooses from them on any machine")
 
 
 def setup_calibrate(p: argparse.ArgumentParser) -> None:

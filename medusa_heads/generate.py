@@ -10,7 +10,10 @@ import torch
 
 from .acceptance import Sampling
 from .decoder import Decoder, TextDeltas, mean_accepted_length, pad_id
-from .tree import Tree
+from .eagle import EagleDraft
+from .tree import DynamicTree, Tree
+
+DEFAULT_DYNAMIC = "dynamic-16x4x4"  # an EAGLE-style draft's tree when none is given
 
 
 @dataclass
@@ -55,7 +58,7 @@ def generate(
     model at this temperature / top_p) or "typical" (the paper's typical acceptance, epsilon/delta).
     tree: "auto" (None: the same) picks the tree probed fastest on this machine for these heads
     (`medusa_heads.tuning`); or a Tree, a preset name ("default", "reference", "chain-3", "dense-2x3",
-    "plain"), a JSON file or a list of paths.
+    "plain"), a JSON file or a list of paths; for an EAGLE-style draft, a DynamicTree ("dynamic-NxDxK").
     stop: strings that end generation; eos_token_id: defaults to the model's.
     adapt: each row's tree follows what it accepts (`medusa_heads.adaptive`; measured no faster on a 2-core
     AMD EPYC, so off by default); False: the tree as given at every step.
@@ -103,9 +106,10 @@ def make_decoder(model, input_ids, attention_mask, max_new_tokens=256, acceptanc
     return decoder
 
 
-def resolve_tree(model, tree) -> Tree:
+def resolve_tree(model, tree) -> Tree | DynamicTree:
     """The tree to use: the given one; for "auto" (or None) the one probed on this machine, else (no
-    probe, or heads without a replay record) the default preset when the heads are deep enough."""
+    probe, or heads without a replay record) the default preset when the heads are deep enough (an
+    EAGLE-style draft: `DEFAULT_DYNAMIC`)."""
     from .tuning import tuning
 
     if tree is not None and tree != "auto":
@@ -113,5 +117,7 @@ def resolve_tree(model, tree) -> Tree:
     tuned = tuning(model)
     if tuned is not None and tuned.tree is not None:
         return tuned.tree
+    if isinstance(model.heads, EagleDraft):
+        return Tree.load(DEFAULT_DYNAMIC)
     default = Tree.load("default")
     return default if default.depth <= model.heads.config.num_heads else Tree.chain(model.heads.config.num_heads)

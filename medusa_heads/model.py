@@ -12,7 +12,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from . import adapter, default, speed
-from .calibrate import Record
+from .calibrate import DynamicRecord, Record, load_record
 from .eagle import EagleConfig, EagleDraft
 from .heads import HeadsConfig, MedusaHeads
 from .io import load_heads, save_heads
@@ -30,7 +30,7 @@ class MedusaModel(nn.Module):
     """
 
     def __init__(self, base_model: PreTrainedModel, heads: MedusaHeads | EagleDraft, tokenizer: Any = None,
-                 record: Record | None = None):
+                 record: Record | DynamicRecord | None = None):
         super().__init__()
         adapter.check_supported(base_model)
         self.base_model = base_model
@@ -75,7 +75,6 @@ class MedusaModel(nn.Module):
             base_model = PeftModel.from_pretrained(base_model, Path(heads) / "adapter").merge_and_unload()
         tokenizer = tokenizer if tokenizer is not None else tok
         lm_head = adapter.lm_head(base_model)
-        record = None
         if draft not in DRAFTS:
             raise ValueError(f"draft must be one of {DRAFTS}, got {draft!r}")
         if heads is None and draft == "eagle":
@@ -88,9 +87,12 @@ class MedusaModel(nn.Module):
         else:
             medusa_heads = load_heads(heads, base_model)
             _warn_other_base(heads, base_model)
-            if (Path(heads) / Record.FILE).exists():
-                record = Record.load(Path(heads) / Record.FILE)
+        record = load_record(heads) if heads is not None else None
         return cls(base_model.eval(), medusa_heads.eval(), tokenizer, record)
+
+    def with_heads(self, heads: str | Path) -> MedusaModel:
+        """The same base model and tokenizer with the draft (heads or EAGLE-style) of another heads folder."""
+        return MedusaModel(self.base_model, load_heads(heads, self.base_model), self.tokenizer, load_record(heads))
 
     def install_speed_levers(self) -> None:
         """Give decoding steps the speed levers of `medusa_heads.speed` (once; a one-token forward shows
@@ -108,7 +110,7 @@ class MedusaModel(nn.Module):
         """Save the heads (not the base model) as a native heads folder, with their replay record if any."""
         path = save_heads(self.heads, directory, base_model=self.base_name, **extra)
         if self.record is not None:
-            self.record.save(path / Record.FILE)
+            self.record.save(path / self.record.FILE)
         return path
 
     @property

@@ -147,8 +147,8 @@ class Tree:
             return cls.load(m[1]).with_lookup(int(m[2]))
         if text == "plain":
             return cls.chain(0)
-        if m := re.fullmatch(r"dynamic-(\d+)x(\d+)x(\d+)", text):
-            return DynamicTree(int(m[1]), int(m[2]), int(m[3]))
+        if text.startswith("dynamic-"):
+            return DynamicTree.parse(text)
         if m := re.fullmatch(r"chain-(\d+)", text):
             return cls.chain(int(m[1]))
         if m := re.fullmatch(r"dense-(\d+)x(\d+)", text):
@@ -164,6 +164,8 @@ class Tree:
         data = json.loads(file.read_text())
         if isinstance(data, list):
             return cls(data, name=file.stem)
+        if "paths" not in data and str(data.get("name", "")).startswith("dynamic-"):
+            return DynamicTree.parse(data["name"])
         return cls(data["paths"], name=data.get("name", file.stem), lookup=data.get("lookup", 0))
 
 
@@ -219,6 +221,13 @@ class DynamicTree:
             raise ValueError(f"a dynamic tree needs depth >= 1, topk >= 1 and 2 <= tokens <= {pool + 1} (what "
                              f"{self.depth} rounds of top-{self.topk} grow, plus the root), got {self.name!r}")
 
+    @classmethod
+    def parse(cls, name: str) -> DynamicTree:
+        if not (m := re.fullmatch(r"dynamic-(\d+)x(\d+)x(\d+)", name)):
+            raise ValueError(f"a dynamic tree is named 'dynamic-TOKENSxDEPTHxTOPK' (e.g. 'dynamic-16x4x4'), "
+                             f"got {name!r}")
+        return cls(int(m[1]), int(m[2]), int(m[3]))
+
     @property
     def name(self) -> str:
         return f"dynamic-{self.tokens}x{self.depth}x{self.topk}"
@@ -235,6 +244,8 @@ class DynamicTree:
 
     def to_json(self) -> dict:
         return {"name": self.name}
+
+    save = Tree.save
 
     def __repr__(self) -> str:
         return f"DynamicTree({self.name!r})"

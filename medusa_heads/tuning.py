@@ -7,7 +7,9 @@ model on a machine, a short probe (under a minute for the default model) measure
 1. the kernel route of every linear product, per number of rows (`speed.probe_routes`);
 2. with those routes, the cost curve c(n) of decoding steps over the candidate trees of the heads;
 3. the tree: the heads' replay record (`calibrate.Record`, shipped with them as replay.json and
-   written by `medusa calibrate`) replayed under that curve (`calibrate.choose`).
+   written by `medusa calibrate`) replayed under that curve (`calibrate.choose`); for an EAGLE-style
+   draft, the dynamic tree with the best recorded accepted length per measured step cost
+   (`calibrate.choose_dynamic`, from its dynamic.json).
 
 The result is cached in the user cache (`default.cache_dir()/tuning`), keyed by what it depends on:
 CPU model and ISA flags (or GPU), threads, torch version, base model, dtype, device, heads, the
@@ -32,7 +34,7 @@ import torch
 from tqdm import tqdm
 
 from . import speed
-from .calibrate import choose
+from .calibrate import DynamicRecord, choose, choose_dynamic
 from .default import cache_dir
 from .tree import Tree
 
@@ -81,7 +83,10 @@ class Tuning:
     @classmethod
     def from_json(cls, data: dict) -> Tuning:
         tree = data["tree"]
-        tree = Tree(tree["paths"], name=tree["name"], lookup=tree.get("lookup", 0)) if tree else None
+        if tree and "paths" not in tree:
+            tree = Tree.load(tree["name"])  # a DynamicTree
+        elif tree:
+            tree = Tree(tree["paths"], name=tree["name"], lookup=tree.get("lookup", 0))
         return cls(data["machine"], speed.Routes.from_json(data["routes"]), tree, data["cost_curve"], data["table"],
                    data["seconds"], cached=True)
 
@@ -164,7 +169,8 @@ def probe(model, description: dict) -> Tuning:
     start = time.perf_counter()
     record = model.record
     dtypes = {layer.weight.dtype for layer in speed.cpu_linears(model)} if speed.ENABLED else set()
-    runs = ROUTE_ROUNDS * len(dtypes) + (ROUNDS * (len(SIZES) + 1) if record else 0)
+    trees = len(record.accepted_length) if isinstance(record, DynamicRecord) else len(SIZES)
+    runs = ROUTE_ROUNDS * len(dtypes) + (ROUNDS * (trees + 1) if record else 0)
     with tqdm(total=runs, desc="probing this machine (once)", unit="run", leave=False) as bar:
         model.install_speed_levers()
         routes = speed.probe_routes(model, rounds=ROUTE_ROUNDS, progress=bar.update)
@@ -173,7 +179,11 @@ def probe(model, description: dict) -> Tuning:
             model.tuning = Tuning(description, routes, None, None, None, 0.0)  # the curve is measured with them
             ids = torch.randint(model.config.get_text_config().vocab_size, (1, PROBE_PROMPT),
                                 generator=torch.Generator().manual_seed(0)).to(model.device)
-            result = choose(model, record, ids, sizes=list(SIZES), steps=STEPS, rounds=ROUNDS, progress=bar.update)
+            if isinstance(record, DynamicRecord):
+                result = choose_dynamic(model, record, ids, steps=STEPS, rounds=ROUNDS, progress=bar.update)
+            else:
+                result = choose(model, record, ids, sizes=list(SIZES), steps=STEPS, rounds=ROUNDS,
+                                progress=bar.update)
+                result["tree"].name = "auto"
             tree, cost_curve, table = result["tree"], result["cost_curve"], result["table"]
-            tree.name = "auto"
     return Tuning(description, routes, tree, cost_curve, table, time.perf_counter() - start)

@@ -166,3 +166,35 @@ def test_a_trained_draft_accepts_more_and_round_trips(tmp_path):
     reloaded = MedusaModel.from_pretrained(base, heads=tmp_path)
     assert torch.equal(reloaded.heads.token_map, model.heads.token_map)
     assert decode(reloaded).accept_lengths == trained.accept_lengths
+
+
+def test_auto_chooses_a_recorded_dynamic_tree_by_its_cost_here(monkeypatch, tmp_path):
+    """The accepted length of each shape is recorded once; the probe of a machine times each shape and picks
+    the best accepted length per cost: with costs made up here, the pick follows them."""
+    from medusa_heads import calibrate, speed, tuning
+    from medusa_heads.generate import resolve_tree
+
+    model = eagle_tiny("llama")
+    prompts = [torch.tensor([[3, 4, 5]]), torch.tensor([[6, 7, 8, 9]])]
+    shapes = ("dynamic-3x2x1", "dynamic-8x3x3")
+    record = calibrate.record_dynamic(model, prompts, max_new_tokens=16, shapes=shapes)
+    for name in shapes:  # greedy decoding with the shape accepts what the record says
+        outs = [model.generate(p, max_new_tokens=16, tree=name) for p in prompts]
+        assert record.accepted_length[name] == sum(len(o.new_tokens[0]) for o in outs) / sum(o.steps for o in outs)
+    record.accepted_length = {"dynamic-3x2x1": 1.5, "dynamic-8x3x3": 2.0}
+    folder = tmp_path / "draft"  # the record goes with the draft, as `medusa calibrate` saves it
+    model.record = record
+    model.save_pretrained(folder)
+    reloaded = MedusaModel.from_pretrained(model.base_model, heads=folder)
+    assert reloaded.record == record
+    monkeypatch.setenv("MEDUSA_HEADS_TUNE", "1")
+    monkeypatch.setenv("MEDUSA_HEADS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(speed, "probe_routes", lambda *a, **k: speed.Routes())  # (not what this test is about)
+    for cost, expected in (((1.2, 1.4), "dynamic-8x3x3"), ((1.0, 1.9), "dynamic-3x2x1")):
+        monkeypatch.setattr(calibrate, "cost_curve", lambda *a, cost=cost, **k: list(cost))
+        reloaded.tuning = None
+        chosen = tuning.tuning(reloaded, refresh=True).tree
+        assert chosen.name == expected
+        assert resolve_tree(reloaded, "auto") == chosen
+    cached = tuning.Tuning.from_json(json.loads(json.dumps(tuning.tuning(reloaded).to_json())))
+    assert cached.tree == DynamicTree.parse("dynamic-3x2x1")

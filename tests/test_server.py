@@ -224,3 +224,21 @@ def test_continuous_batching_joins_and_leaves(library):
         assert text == expected_chat(library, PROMPTS[i], 20 + i)[0], i
     assert engine.decoder._rows == {} and engine.admitted == 0
     loop.close()
+
+
+def test_a_server_with_an_eagle_draft_answers_as_the_library(tiny_folder, tmp_path):
+    import torch
+
+    torch.manual_seed(0)
+    library = MedusaModel.from_pretrained(tiny_folder, draft="eagle")
+    library.save_pretrained(tmp_path / "draft")
+    server = Server(tiny_folder, "--heads", str(tmp_path / "draft"), "--tree", "dynamic-8x3x3")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        for messages in PROMPTS[:3]:
+            reply = client.chat.completions.create(model=server.model, messages=messages, max_tokens=20, temperature=0)
+            out = library.generate(library.chat_ids(messages), max_new_tokens=20, tree="dynamic-8x3x3")
+            assert reply.choices[0].message.content == out.texts[0]
+            assert reply.usage.model_extra["mean_accepted_length"] == pytest.approx(out.mean_accepted_length)
+    finally:
+        server.stop()

@@ -49,14 +49,16 @@ PEER = "llama.cpp"
 
 
 class Method:
-    """One way to answer: returns (new tokens, decoding steps, ...) for a prompt."""
+    """One way to answer: returns (new tokens, decoding steps, ...) for a prompt. 'medusa[:TREE]@DIR' decodes
+    with the draft of heads folder DIR (Medusa heads or an EAGLE-style draft) on the same base model."""
 
     def __init__(self, name: str, model, llama_cpp: str | Path | None = None, gguf: str | Path | None = None):
-        self.name, self.model = name, model
-        kind, _, option = name.partition(":")
+        spec, _, heads = name.partition("@")
+        self.name, self.model = name, model.with_heads(heads) if heads else model
+        kind, _, option = spec.partition(":")
         if kind not in ("hf", "hf-pld", "plain", "medusa", "medusa-adapt", PEER):
-            raise ValueError(f"unknown method {name!r}: use hf, hf-pld, plain, medusa[:TREE], medusa-adapt[:TREE] "
-                             f"or {PEER}:VARIANT")
+            raise ValueError(f"unknown method {name!r}: use hf, hf-pld, plain, medusa[:TREE][@HEADS], "
+                             f"medusa-adapt[:TREE][@HEADS] or {PEER}:VARIANT")
         self.kind = kind
         self.tree = "plain" if kind == "plain" else (option or "auto")
         self.peer = None
