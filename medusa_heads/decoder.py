@@ -223,20 +223,10 @@ class Decoder:
     def _decode(self) -> None:
         batch = self.root.shape[0]
         requests = [self._rows[i] for i in self.active]
-        heads_on = drafts = None
         if self.drafting:
-            step = self.drafting.tree(self.root)
+            step, heads_on, drafts = self.drafting.tree(self.root), None, None
         else:
-            heads_on = self.tree.head_size > 1 and self._heads_pay(requests)
-            buffers = self.full if heads_on or self.lookup_only is None else self.lookup_only
-            tokens = self.root[:, None]
-            if heads_on:
-                candidates = self.model.heads.draft(self.hidden, self.root, buffers.levels, self.tree.topk)
-                tokens = torch.cat([tokens, candidates], dim=1)  # (B, head_size)
-            drafts = [lookup.continuation(r.prompt + r.tokens, r.lookup_budget) for r in requests if self.tree.lookup]
-            if any(drafts):
-                tokens = torch.cat([tokens, self._padded(drafts, requests)], dim=1)
-            step = StepTree.of(self.tree, tokens, buffers)  # the first n nodes (the lookup branch may be cut short)
+            step, heads_on, drafts = self._static_tree(requests)
         tokens = step.tokens
         n = tokens.shape[1]
         lengths = self.cache.lengths
@@ -267,6 +257,20 @@ class Decoder:
         if self.adapt:
             self._follow(requests, tokens, emitted, count, drafts, heads_on)
         self._emit(emitted, count + 1, positions=range(batch))
+
+    def _static_tree(self, requests: list[_Row]) -> tuple[StepTree, bool, list[list[int]]]:
+        """This step's nodes of the static tree: the heads' candidates (unless they do not pay this step) and
+        the rows' prompt-lookup drafts; with whether the heads drafted, and the lookup drafts."""
+        heads_on = self.tree.head_size > 1 and self._heads_pay(requests)
+        buffers = self.full if heads_on or self.lookup_only is None else self.lookup_only
+        tokens = self.root[:, None]
+        if heads_on:
+            candidates = self.model.heads.draft(self.hidden, self.root, buffers.levels, self.tree.topk)
+            tokens = torch.cat([tokens, candidates], dim=1)  # (B, head_size)
+        drafts = [lookup.continuation(r.prompt + r.tokens, r.lookup_budget) for r in requests if self.tree.lookup]
+        if any(drafts):
+            tokens = torch.cat([tokens, self._padded(drafts, requests)], dim=1)
+        return StepTree.of(tokens, buffers), heads_on, drafts  # (the lookup branch may be cut short)
 
     def _padded(self, drafts: list[list[int]], requests: list[_Row]) -> torch.Tensor:
         """The rows' prompt-lookup drafts (B, longest draft), shorter ones padded with their text's

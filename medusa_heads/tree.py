@@ -180,11 +180,13 @@ class StepTree:
     retrieve: torch.Tensor  # (B, P, reach + 1) root-to-node paths, -1 padded
 
     @classmethod
-    def of(cls, tree: Tree, tokens: torch.Tensor, buffers) -> StepTree:
+    def of(cls, tokens: torch.Tensor, buffers) -> StepTree:
         """A static tree's first tokens.shape[1] nodes for every row (`buffers`: the tree's tensors on the
         device, as views: nothing is copied per row)."""
         batch, n = tokens.shape
-        retrieve = buffers.retrieve.masked_fill(buffers.retrieve >= n, -1) if n < tree.size else buffers.retrieve
+        retrieve = buffers.retrieve
+        if n < buffers.parents.shape[0]:
+            retrieve = retrieve.masked_fill(retrieve >= n, -1)
         return cls(tokens, buffers.parents[:n].expand(batch, n), buffers.depths[:n].expand(batch, n),
                    buffers.mask[:n, :n].expand(batch, n, n), retrieve.expand(batch, *retrieve.shape))
 

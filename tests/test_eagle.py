@@ -10,6 +10,7 @@ from tiny import tiny_tokenizer
 
 from medusa_heads import MedusaModel, adapter, eagle
 from medusa_heads import decoder as decoder_module
+from medusa_heads.io import export_heads
 from medusa_heads.train.data import IGNORE, Example
 from medusa_heads.train.trainer import TrainConfig, Trainer
 from medusa_heads.tree import DynamicTree, StepTree, Tree
@@ -134,6 +135,8 @@ def test_trees_and_drafts_must_match():
         Tree.load("dynamic-14x2x3")
     with pytest.raises(ValueError, match="frozen backbone"):
         TrainConfig(draft="eagle", mode="medusa2")
+    with pytest.raises(ValueError, match="Medusa heads only"):
+        export_heads(model.heads, "unused", "vllm")
 
 
 def self_distilled(base, count: int, seed: int) -> tuple[list[Example], torch.Tensor]:
