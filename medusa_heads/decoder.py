@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 
 import torch
 
@@ -31,6 +31,34 @@ def mean_accepted_length(accept_lengths: list[list[int]]) -> float:
     """Tokens per decoding step over rows' per-step token counts, bonus included, the prefill counting as a
     step that emits one (plain decoding = 1.0)."""
     return sum(map(sum, accept_lengths)) / max(1, sum(map(len, accept_lengths)))
+
+
+@dataclass
+class Request:
+    """One prompt for `Decoder.add`, with its own settings. Requests added in one call that share their
+    sampling settings and seed draw from one random stream (so a sampled batch repeats as a batch)."""
+
+    prompt: torch.Tensor  # (T,) token ids
+    max_new_tokens: int = 256
+    sampling: Sampling = field(default_factory=Sampling)
+    stop: str | list[str] | None = None  # strings that end the answer
+    eos_token_id: int | list[int] | None = None  # None: the model's
+    seed: int | None = None
+
+    @classmethod
+    def batch(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **settings) -> list[Request]:
+        """One request per row of input_ids (B, T), without the padding that attention_mask marks (left or
+        right); `settings`: the other fields, the same for every row."""
+        if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must have shape (batch, length) with length >= 1, got "
+                             f"{tuple(input_ids.shape)}")
+        if attention_mask is None:
+            return [cls(row, **settings) for row in input_ids]
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError("attention_mask must have the shape of input_ids")
+        if not attention_mask.any(-1).all():
+            raise ValueError("every prompt needs at least one token (a row of attention_mask is all zeros)")
+        return [cls(row[mask.bool()], **settings) for row, mask in zip(input_ids, attention_mask, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -112,28 +140,33 @@ class Decoder:
         self.hidden = self.root = None  # (B, H) last accepted hidden state, (B,) next token
         self._ids = itertools.count()
 
-    def add(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 256,
-            sampling: Sampling | None = None, eos_token_id: int | list[int] | None = None,
-            stop: str | list[str] | None = None, seed: int | None = None) -> list[int]:
-        """Queue prompts (B, T) to join at the next step; returns their row ids."""
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        stop = [stop] if isinstance(stop, str) else list(stop or [])
-        if any(not s for s in stop):
-            raise ValueError("stop strings must be non-empty")
-        if stop:
-            self.model.require_tokenizer()
-        generator = torch.Generator(device=self.device)
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(seed)
-        settings = dict(sampling=sampling or Sampling(), generator=generator, max_new_tokens=max_new_tokens,
-                        eos=_eos_ids(self.model, eos_token_id), stop=stop, lookup_budget=self.tree.lookup)
+    def add(self, requests: Request | list[Request]) -> list[int]:
+        """Queue requests to join at the next step; returns their row ids."""
+        requests = [requests] if isinstance(requests, Request) else requests
+        streams: dict[tuple, torch.Generator] = {}  # one per (sampling, seed) in this call
         ids = []
-        for prompt in _prompts(input_ids, attention_mask):
+        for request in requests:
+            if request.prompt.ndim != 1 or request.prompt.numel() == 0:
+                raise ValueError(f"a request's prompt is a non-empty 1-D tensor of token ids, got shape "
+                                 f"{tuple(request.prompt.shape)}")
+            if request.max_new_tokens < 1:
+                raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+            stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+            if any(not s for s in stop):
+                raise ValueError("stop strings must be non-empty")
+            if stop:
+                self.model.require_tokenizer()
+            key = (astuple(request.sampling), request.seed)
+            if key not in streams:
+                streams[key] = torch.Generator(device=self.device)
+                if request.seed is None:
+                    streams[key].seed()
+                else:
+                    streams[key].manual_seed(request.seed)
             ids.append(next(self._ids))
-            self._rows[ids[-1]] = _Row(prompt, **settings)
+            self._rows[ids[-1]] = _Row(request.prompt.tolist(), request.sampling, streams[key], request.max_new_tokens,
+                                       _eos_ids(self.model, request.eos_token_id), stop,
+                                       lookup_budget=self.tree.lookup)
         self.pending += ids
         return ids
 
@@ -419,20 +452,6 @@ def pad_batch(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, 
     for i, p in enumerate(prompts):
         ids[i, : len(p)], mask[i, : len(p)] = torch.tensor(p), 1
     return ids, mask
-
-
-def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[int]]:
-    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids must have shape (batch, length) with length >= 1, got {tuple(input_ids.shape)}")
-    if attention_mask is None:
-        return input_ids.tolist()
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError("attention_mask must have the shape of input_ids")
-    rows = zip(input_ids.tolist(), attention_mask.tolist(), strict=True)
-    prompts = [[t for t, m in zip(ids, mask, strict=True) if m] for ids, mask in rows]
-    if any(not p for p in prompts):
-        raise ValueError("every prompt needs at least one token (a row of attention_mask is all zeros)")
-    return prompts
 
 
 def _check_tree(model, tree: Tree | DynamicTree, adapt: bool) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .acceptance import Sampling
-from .decoder import Decoder, TextDeltas, mean_accepted_length, pad_id
+from .decoder import Decoder, Request, TextDeltas, mean_accepted_length, pad_id
 from .eagle import EagleDraft
 from .tree import DynamicTree, Tree
 
@@ -101,8 +101,9 @@ def make_decoder(model, input_ids, attention_mask, max_new_tokens=256, acceptanc
                  temperature=Sampling.temperature, top_p=Sampling.top_p, tree="auto", stop=None, eos_token_id=None,
                  seed=None, epsilon=Sampling.epsilon, delta=Sampling.delta, adapt=False) -> Decoder:
     decoder = Decoder(model, resolve_tree(model, tree), adapt)
-    decoder.add(input_ids, attention_mask, max_new_tokens, Sampling(acceptance, temperature, top_p, epsilon, delta),
-                eos_token_id, stop, seed)
+    sampling = Sampling(acceptance, temperature, top_p, epsilon, delta)
+    decoder.add(Request.batch(input_ids, attention_mask, max_new_tokens=max_new_tokens, sampling=sampling,
+                              stop=stop, eos_token_id=eos_token_id, seed=seed))
     return decoder
 
 

@@ -10,6 +10,7 @@ from tiny import tiny_tokenizer
 
 from medusa_heads import MedusaModel, adapter, eagle
 from medusa_heads import decoder as decoder_module
+from medusa_heads.decoder import Request
 from medusa_heads.io import export_heads
 from medusa_heads.train.data import IGNORE, Example
 from medusa_heads.train.trainer import TrainConfig, Trainer
@@ -44,14 +45,14 @@ def test_rows_join_leave_and_finish_at_different_steps():
             for p in prompts]
     eos = next(t for t in range(16) if len({s.index(t) if t in s else 20 for s in solo}) > 1)
     decoder = decoder_module.Decoder(model, tree)
-    rows = [decoder.add(torch.tensor([p]), max_new_tokens=20, eos_token_id=eos)[0] for p in prompts[:2]]
+    rows = [decoder.add(Request(torch.tensor(p), 20, eos_token_id=eos))[0] for p in prompts[:2]]
     for _ in range(3):
         decoder.step()
-    rows += decoder.add(torch.tensor([prompts[2]]), max_new_tokens=20, eos_token_id=eos)
+    rows += decoder.add(Request(torch.tensor(prompts[2]), 20, eos_token_id=eos))
     decoder.step()
     cancelled = next(i for i, r in enumerate(rows) if decoder.progress(r).finish_reason is None)
     decoder.cancel(rows[cancelled])
-    rows += decoder.add(torch.tensor([prompts[3]]), max_new_tokens=20, eos_token_id=eos)
+    rows += decoder.add(Request(torch.tensor(prompts[3]), 20, eos_token_id=eos))
     while decoder.busy:
         decoder.step()
     for i in {0, 1, 2, 3} - {cancelled}:
@@ -79,7 +80,7 @@ def test_each_node_holds_what_the_draft_predicts_from_real_features(monkeypatch)
 
     monkeypatch.setattr(eagle.Drafting, "tree", recording)
     decoder = decoder_module.Decoder(model, shape)
-    decoder.add(torch.tensor([prompt]), max_new_tokens=12, eos_token_id=[])
+    decoder.add(Request(torch.tensor(prompt), 12, eos_token_id=[]))
     for _ in decoder.steps():
         pass
     assert len(seen) >= 3

@@ -131,7 +131,7 @@ def test_cancelling_a_row_leaves_the_others_exact():
     model = medusa_tiny("llama")
     prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
     decoder = decoder_module.Decoder(model, Tree.load("reference"))
-    rows = [decoder.add(torch.tensor([p]), max_new_tokens=20, eos_token_id=[])[0] for p in prompts]
+    rows = [decoder.add(decoder_module.Request(torch.tensor(p), 20, eos_token_id=[]))[0] for p in prompts]
     for _ in range(3):
         decoder.step()
     decoder.cancel(rows[0])  # from outside inference mode, as the server does when a client leaves
@@ -148,8 +148,9 @@ def test_step_updates_account_for_every_token():
     accepted lengths are their sizes, and the last one says why it ended; a done row can be forgotten."""
     model = medusa_tiny("llama")
     decoder = decoder_module.Decoder(model, Tree.load("reference+lookup4"))
-    rows = decoder.add(torch.tensor([[3, 4, 5, 0], [6, 7, 8, 9]]), torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]),
-                       max_new_tokens=25, eos_token_id=[])
+    rows = decoder.add(decoder_module.Request.batch(torch.tensor([[3, 4, 5, 0], [6, 7, 8, 9]]),
+                                                    torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]), max_new_tokens=25,
+                                                    eos_token_id=[]))
     seen = {row: [] for row in rows}
     for updates in decoder.steps():
         for update in updates:
@@ -162,9 +163,11 @@ def test_step_updates_account_for_every_token():
         assert seen[row][-1].finish_reason == progress.finish_reason == "length"
         decoder.forget(row)
     assert decoder._rows == {}
-    decoder.add(torch.tensor([[3, 4]]), max_new_tokens=5)
+    decoder.add(decoder_module.Request(torch.tensor([3, 4]), 5))
     with pytest.raises(ValueError, match="still decoding"):
         decoder.forget(rows[-1] + 1)
+    with pytest.raises(ValueError, match="non-empty 1-D tensor"):
+        decoder.add(decoder_module.Request(torch.tensor([[3, 4]])))
 
 
 def with_tokenizer(model):

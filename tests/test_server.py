@@ -11,6 +11,7 @@ import pytest
 from server import Server
 
 from medusa_heads import MedusaModel, Sampling
+from medusa_heads.decoder import Request
 from medusa_heads.serve.engine import Busy, Engine, Job
 
 
@@ -185,10 +186,10 @@ def test_queue_limit_answers_busy(library):
     engine = Engine(library, max_concurrency=1, max_queue=1)  # not started: nothing leaves the queue
     ids = library.chat_ids(PROMPTS[0])
     loop = asyncio.new_event_loop()
-    engine.submit(Job(ids, {}, loop))
-    engine.submit(Job(ids, {}, loop))
+    engine.submit(Job(Request(ids[0]), loop))
+    engine.submit(Job(Request(ids[0]), loop))
     with pytest.raises(Busy):
-        engine.submit(Job(ids, {}, loop))
+        engine.submit(Job(Request(ids[0]), loop))
     loop.close()
 
 
@@ -205,7 +206,7 @@ def test_continuous_batching_joins_and_leaves(library):
         decode()
 
     engine.decoder._decode = spy
-    jobs = [Job(library.chat_ids(PROMPTS[i]), {"max_new_tokens": 20 + i, "sampling": Sampling("greedy")}, loop)
+    jobs = [Job(Request(library.chat_ids(PROMPTS[i])[0], 20 + i, Sampling("greedy")), loop)
             for i in range(4)]
     engine.submit(jobs[0])
     engine.submit(jobs[1])
@@ -239,6 +240,6 @@ def test_a_server_with_an_eagle_draft_answers_as_the_library(tiny_folder, tmp_pa
             reply = client.chat.completions.create(model=server.model, messages=messages, max_tokens=20, temperature=0)
             out = library.generate(library.chat_ids(messages), max_new_tokens=20, tree="dynamic-8x3x3")
             assert reply.choices[0].message.content == out.texts[0]
-            assert reply.usage.model_extra["mean_accepted_length"] == pytest.approx(out.mean_accepted_length)
+            assert reply.usage.model_extra["mean_accepted_length"] == round(out.mean_accepted_length, 4)
     finally:
         server.stop()

@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from .. import decoder
 from ..acceptance import Sampling
 from .engine import Busy, Engine, Job
 from .schemas import ChatRequest, CompletionRequest, ErrorBody, SamplingFields
@@ -134,8 +135,7 @@ def create_app(model, max_concurrency: int = 4, max_queue: int = 64, max_new_tok
                            code="context_length_exceeded")
         sampling = (Sampling("greedy") if body.temperature == 0 else
                     Sampling(body.acceptance or "exact", body.temperature, body.top_p))
-        job = Job(ids, {"max_new_tokens": max_tokens, "sampling": sampling, "stop": body.stop, "seed": body.seed},
-                  asyncio.get_running_loop())
+        job = Job(decoder.Request(ids[0], max_tokens, sampling, body.stop, seed=body.seed), asyncio.get_running_loop())
         try:
             engine.submit(job)
         except Busy:

@@ -14,9 +14,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
-from ..decoder import Decoder, TextDeltas, Update
+from ..decoder import Decoder, Request, TextDeltas, Update
 from ..generate import resolve_tree
 
 log = logging.getLogger("medusa_heads.serve")
@@ -28,8 +26,7 @@ class Busy(Exception):
 
 @dataclass(eq=False)  # compared by identity
 class Job:
-    input_ids: torch.Tensor  # (1, T)
-    options: dict  # Decoder.add keyword arguments
+    request: Request
     loop: asyncio.AbstractEventLoop
     # ("text", str) | ("done", dict) | ("invalid", message) for a bad request | ("error", message)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -109,7 +106,7 @@ class Engine:
                 self._release()
                 continue
             try:
-                row_id = self.decoder.add(job.input_ids, **job.options)[0]
+                row_id = self.decoder.add(job.request)[0]
             except ValueError as err:
                 job.send("invalid", str(err))
                 self._release()

@@ -16,10 +16,11 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Protocol
 
+import torch
 from tqdm import tqdm
 
 from ..acceptance import Sampling
-from ..decoder import Decoder, pad_batch
+from ..decoder import Decoder, Request
 from ..tree import Tree
 from .data import DataError, iter_records, to_messages
 
@@ -145,7 +146,7 @@ class LocalAnswerer:
         self.decoder = Decoder(model, Tree.load("plain"))
         self.max_new_tokens, self.batch_size, self.seed = max_new_tokens, batch_size, seed
         self.sampling = Sampling() if temperature == 0 else Sampling("exact", temperature)
-        self.waiting: list[tuple[str, list[int]]] = []  # submitted, not yet in the decoder
+        self.waiting: list[tuple[str, torch.Tensor]] = []  # submitted, not yet in the decoder
         self.keys: dict[int, str] = {}  # decoder row id -> key
         self.groups = itertools.count()
 
@@ -153,14 +154,13 @@ class LocalAnswerer:
         return len(self.waiting) + len(self.keys) < self.batch_size
 
     def submit(self, key: str, chat: list[dict]) -> None:
-        self.waiting.append((key, self.model.chat_ids(chat)[0].tolist()))
+        self.waiting.append((key, self.model.chat_ids(chat)[0]))
 
     def results(self, drain: bool = False) -> list[tuple[str, str]]:
         if self.waiting and (drain or not self.keys or len(self.waiting) >= max(1, self.batch_size // 4)):
-            ids, mask = pad_batch([ids for _, ids in self.waiting])
             seed = None if self.seed is None else self.seed + next(self.groups)
-            rows = self.decoder.add(ids.to(self.model.device), mask.to(self.model.device), self.max_new_tokens,
-                                    self.sampling, seed=seed)
+            rows = self.decoder.add([Request(ids, self.max_new_tokens, self.sampling, seed=seed)
+                                     for _, ids in self.waiting])
             self.keys.update(zip(rows, (key for key, _ in self.waiting), strict=True))
             self.waiting = []
         while True:
