@@ -46,7 +46,7 @@ from . import lookup
 from .accuracy import accuracy_table, head_ranks, rank_hits
 from .generate import make_decoder
 from .lookup import first_difference
-from .tree import DynamicTree, Tree
+from .tree import Tree
 
 LOOKUPS = (0, 2, 4, 6, 8, 12)  # prompt-lookup branch lengths tried
 TOLERANCE = 0.03  # replayed speed-ups this close to the best count as equal (c drifts 10 % between runs)
@@ -251,7 +251,8 @@ def choose(model, record: Record, ids: torch.Tensor, max_nodes: int = 64, sizes:
 
 
 DYNAMIC_SHAPES = ("dynamic-3x2x1", "dynamic-5x4x1", "dynamic-8x3x3", "dynamic-12x4x3", "dynamic-16x4x4",
-                  "dynamic-24x5x4", "dynamic-32x6x6", "dynamic-48x6x8", "dynamic-64x7x8")  # an EAGLE draft's candidates
+                  "dynamic-24x5x4", "dynamic-32x6x6", "dynamic-48x6x8", "dynamic-64x7x8", "dynamic-3x2x1+lookup8",
+                  "dynamic-8x3x3+lookup8", "dynamic-16x4x4+lookup8")  # an EAGLE draft's candidates
 
 
 @dataclass
@@ -302,7 +303,7 @@ def choose_dynamic(model, record: DynamicRecord, ids: torch.Tensor, tolerance: f
     """This device's dynamic tree: each recorded shape's step cost measured here (relative to a plain step),
     and of those whose accepted length per cost is within tolerance of the best, the one that accepts the
     most. Returns the chosen tree, the table and the cost curve (by tokens verified per step)."""
-    shapes = [DynamicTree.parse(name) for name in record.accepted_length]
+    shapes = [Tree.load(name) for name in record.accepted_length]
     costs = cost_curve(model, ids, shapes, steps, rounds, progress)
     table, options = [], [(1.0, 1.0, Tree([], name="plain"))]
     for shape, cost in zip(shapes, costs, strict=True):

@@ -257,7 +257,9 @@ class Decoder:
         batch = self.root.shape[0]
         requests = [self._rows[i] for i in self.active]
         if self.drafting:
-            step, heads_on, drafts = self.drafting.tree(self.root), None, None
+            step, heads_on, drafts = self.drafting.tree(self.root), None, self._lookup_drafts(requests)
+            if any(drafts):
+                step = step.with_chain(self._padded(drafts, requests), self.tree.reach)
         else:
             step, heads_on, drafts = self._static_tree(requests)
         tokens = step.tokens
@@ -300,10 +302,14 @@ class Decoder:
         if heads_on:
             candidates = self.model.heads.draft(self.hidden, self.root, buffers.levels, self.tree.topk)
             tokens = torch.cat([tokens, candidates], dim=1)  # (B, head_size)
-        drafts = [lookup.continuation(r.prompt + r.tokens, r.lookup_budget) for r in requests if self.tree.lookup]
+        drafts = self._lookup_drafts(requests)
         if any(drafts):
             tokens = torch.cat([tokens, self._padded(drafts, requests)], dim=1)
         return StepTree.of(tokens, buffers), heads_on, drafts  # (the lookup branch may be cut short)
+
+    def _lookup_drafts(self, requests: list[_Row]) -> list[list[int]]:
+        """Each row's prompt-lookup draft (none without a lookup branch)."""
+        return [lookup.continuation(r.prompt + r.tokens, r.lookup_budget) for r in requests if self.tree.lookup]
 
     def _padded(self, drafts: list[list[int]], requests: list[_Row]) -> torch.Tensor:
         """The rows' prompt-lookup drafts (B, longest draft), shorter ones padded with their text's

@@ -190,6 +190,14 @@ class StepTree:
         return cls(tokens, buffers.parents[:n].expand(batch, n), buffers.depths[:n].expand(batch, n),
                    buffers.mask[:n, :n].expand(batch, n, n), retrieve.expand(batch, *retrieve.shape))
 
+    def with_chain(self, chain: torch.Tensor, reach: int) -> StepTree:
+        """These trees with a chain of tokens (B, L) below each root (a prompt-lookup branch), `reach` deep."""
+        batch, n = self.tokens.shape
+        below = torch.arange(n - 1, n - 1 + chain.shape[1], device=chain.device)
+        below[0] = 0
+        parents = torch.cat([self.parents, below.expand(batch, -1)], 1)
+        return StepTree.from_parents(torch.cat([self.tokens, chain], 1), parents, reach)
+
     @classmethod
     def from_parents(cls, tokens: torch.Tensor, parents: torch.Tensor, depth: int) -> StepTree:
         """The trees of these per-row parents (B, n), at most `depth` deep; every node ends a path."""
@@ -210,15 +218,18 @@ class DynamicTree:
     """A tree grown anew at every step by an EAGLE-style draft's own confidence (EAGLE-2): `depth` rounds,
     each expanding the `topk` best frontier nodes by their `topk` best children; the `tokens - 1` best
     nodes (a node scores the product of the draft's probabilities along its path) are verified with the
-    root. Named 'dynamic-TOKENSxDEPTHxTOPK'."""
+    root. Named 'dynamic-TOKENSxDEPTHxTOPK', and '+lookupL' with a prompt-lookup branch of up to L tokens
+    below the root (as a static tree's)."""
 
     tokens: int
     depth: int
     topk: int
-    lookup: int = 0  # (no prompt-lookup branch)
+    lookup: int = 0
 
     def __post_init__(self) -> None:
         pool = self.topk + (self.depth - 1) * self.topk**2
+        if not isinstance(self.lookup, int) or self.lookup < 0:
+            raise ValueError(f"lookup must be a number of tokens >= 0, got {self.lookup!r}")
         if self.depth < 1 or self.topk < 1 or not 2 <= self.tokens <= pool + 1:
             raise ValueError(f"a dynamic tree needs depth >= 1, topk >= 1 and 2 <= tokens <= {pool + 1} (what "
                              f"{self.depth} rounds of top-{self.topk} grow, plus the root), got {self.name!r}")
@@ -232,17 +243,22 @@ class DynamicTree:
 
     @property
     def name(self) -> str:
-        return f"dynamic-{self.tokens}x{self.depth}x{self.topk}"
+        return f"dynamic-{self.tokens}x{self.depth}x{self.topk}" + (f"+lookup{self.lookup}" if self.lookup else "")
 
     @property
     def size(self) -> int:
-        return self.tokens
+        return self.tokens + self.lookup
 
-    head_size = size
+    @property
+    def head_size(self) -> int:
+        return self.tokens
 
     @property
     def reach(self) -> int:
-        return self.depth
+        return max(self.depth, self.lookup)
+
+    def with_lookup(self, tokens: int) -> DynamicTree:
+        return DynamicTree(self.tokens, self.depth, self.topk, tokens)
 
     def to_json(self) -> dict:
         return {"name": self.name}

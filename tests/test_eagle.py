@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 from conftest import ARCHS, hf_greedy, randomize_heads, tiny_model
-from test_exact import chi_square_p, exact_joint, sampled_counts
+from test_exact import REPEATING, chi_square_p, exact_joint, sampled_counts
 from tiny import tiny_tokenizer
 
 from medusa_heads import MedusaModel, adapter, eagle
@@ -28,7 +28,7 @@ def test_greedy_equals_plain_decoding(arch):
     model = eagle_tiny(arch)
     prompts = [[3, 4, 5, 6, 7, 8, 9], [10], [11, 12, 3]]
     ids, mask = decoder_module.pad_batch(prompts)
-    for tree in ("dynamic-10x3x3", "dynamic-5x1x4"):
+    for tree in ("dynamic-10x3x3", "dynamic-5x1x4", "dynamic-6x2x2+lookup4"):
         batch = model.generate(ids, attention_mask=mask, max_new_tokens=30, tree=tree, eos_token_id=[])
         for i, p in enumerate(prompts):
             reference = hf_greedy(model.base_model, torch.tensor([p]), 30)[0, len(p):].tolist()
@@ -113,12 +113,24 @@ def test_exact_sampling_matches_the_base_distribution(tree):
     assert chi_square_p(counts, exact_joint(model.base_model, 1.0, 1.0)) > 1e-3
 
 
+def test_exact_sampling_with_a_lookup_branch_matches_the_base_distribution():
+    """The lookup draft repeats one of the draft's depth-1 guesses (they cover the vocabulary): that token
+    must not count twice (see test_exact)."""
+    model = eagle_tiny("llama", seed=3).float()
+    counts, _ = sampled_counts(model, "exact", 0.1, 1.0, REPEATING, "dynamic-17x1x16+lookup2")
+    assert chi_square_p(counts, exact_joint(model.base_model, 0.1, 1.0, REPEATING)) > 1e-3
+
+
 def test_step_trees_from_parents():
     parents = torch.tensor([[0, 0, 0, 1, 3], [0, 0, 1, 2, 0]])
     step = StepTree.from_parents(torch.zeros_like(parents), parents, depth=3)
     assert step.depths.tolist() == [[0, 1, 1, 2, 3], [0, 1, 2, 3, 1]]
     assert step.retrieve[0, 4].tolist() == [0, 1, 3, 4] and step.retrieve[1, 4].tolist() == [0, 4, -1, -1]
     assert step.mask[1, 3].tolist() == [True, True, True, True, False]
+    chained = step.with_chain(torch.tensor([[7, 8], [9, 10]]), reach=3)
+    assert chained.parents[0].tolist() == [0, 0, 0, 1, 3, 0, 5] and chained.depths[1, 5:].tolist() == [1, 2]
+    assert chained.retrieve[1, 6].tolist() == [0, 5, 6, -1]
+    assert Tree.load("dynamic-8x2x4+lookup6").size == 14 and Tree.load("dynamic-8x2x4+lookup0").lookup == 0
 
 
 def test_trees_and_drafts_must_match():
