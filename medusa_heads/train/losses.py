@@ -58,11 +58,15 @@ def heads_loss(heads, hidden: torch.Tensor, labels: torch.Tensor, decay: float =
 
 
 def eagle_loss(draft, hidden: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor, noise: float = 0.0,
-               topk: int = 5):
+               depths: int = 1, decay: float = 0.8, topk: int = 5):
     """EAGLE's loss where the token after next is an assistant token: SmoothL1 between the draft's guess
     g_{t+1} and the base's feature f_{t+1}, plus 0.1 x the cross-entropy of the draft's logits against the
-    base's next-token distribution there (both over the draft vocabulary); also (top-1 hits, top-k hits,
-    count) of the draft's guess of that token, as a (1, 3) table like `heads_loss`'s.
+    base's next-token distribution there (both over the draft vocabulary).
+
+    With depths > 1 (EAGLE-3's training-time test), pass k runs the draft again over the guesses of pass
+    k - 1 (each position's guess as the feature of the next one, with the real tokens), as drafting along a
+    right path does at depth k + 1; its loss weighs decay**k. Also (top-1 hits, top-k hits, count) of each
+    depth's guess of its token, as a (depths, 3) table like `heads_loss`'s.
 
     hidden: (B, T, H) the base's last hidden states (post final norm); ids, labels: (B, T); noise: the width
     of the uniform noise added to the input features (training only).
@@ -71,23 +75,26 @@ def eagle_loss(draft, hidden: torch.Tensor, ids: torch.Tensor, labels: torch.Ten
     if noise:
         features = features + (torch.rand_like(features) - 0.5) * noise
     positions = torch.arange(features.shape[1], device=hidden.device).expand(hidden.shape[0], -1)
-    guess = draft(features, ids[:, 1:], positions)[:, :-1]  # g_{t+1}, t = 0 .. T-3
-    keep = labels[:, 2:] != IGNORE
-    stats = torch.zeros(1, 3, dtype=torch.long)
-    if not keep.any():
-        return hidden.new_zeros((), dtype=torch.float32), stats
-    guess, target = guess[keep].float(), hidden[:, 1:-1][keep].float()
-    logits = draft.logits(guess).float()
-    with torch.no_grad():
-        base = torch.softmax(draft.logits(target).float(), dim=-1)
-    soft_ce = -(base * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
-    loss = F.smooth_l1_loss(guess, target) + 0.1 * soft_ce
-    with torch.no_grad():
-        index = draft.draft_index(labels[:, 2:][keep])
-        top = logits.topk(topk, dim=-1).indices
-        stats[0] = torch.stack([(top[:, 0] == index).sum(), (top == index[:, None]).any(-1).sum(),
-                                torch.tensor(index.numel())])
-    return loss, stats
+    total = hidden.new_zeros((), dtype=torch.float32)
+    stats = torch.zeros(depths, 3, dtype=torch.long)
+    for k in range(min(depths, hidden.shape[1] - 2)):
+        n = features.shape[1]
+        guesses = draft(features, ids[:, 1 + k : 1 + k + n], positions[:, :n] + k)  # g_{t+k+1}
+        keep = labels[:, 2 + k :] != IGNORE  # the token g_{t+k+1} guesses: t + k + 2
+        if keep.any():
+            guess, target = guesses[:, :-1][keep].float(), hidden[:, 1 + k : -1][keep].float()
+            logits = draft.logits(guess).float()
+            with torch.no_grad():
+                base = torch.softmax(draft.logits(target).float(), dim=-1)
+            soft_ce = -(base * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+            total = total + decay**k * (F.smooth_l1_loss(guess, target) + 0.1 * soft_ce)
+            with torch.no_grad():
+                index = draft.draft_index(labels[:, 2 + k :][keep])
+                top = logits.topk(topk, dim=-1).indices
+                stats[k] = torch.stack([(top[:, 0] == index).sum(), (top == index[:, None]).any(-1).sum(),
+                                        torch.tensor(index.numel())])
+        features = guesses[:, :-1]
+    return total, stats
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ from .data import IGNORE, Example, read_conversations, tokenize
 from .losses import distill_kl, eagle_loss, heads_loss, lm_loss
 
 MODES = ("medusa1", "medusa2")
+EAGLE_EVAL_DEPTHS = 4  # an EAGLE draft's held-out accuracy is reported at these many depths
 
 
 @dataclass
@@ -68,6 +69,8 @@ class TrainConfig:
     kl: bool = setting(False, "Medusa-2: KL to the original model instead of LM loss (self-distilled data)")
     heads_warmup_steps: int = setting(0, "Medusa-2: steps that train only the heads before the joint phase")
     feature_noise: float = setting(0.2, "EAGLE draft: width of the uniform noise on its input features")
+    draft_depths: int = setting(1, "EAGLE draft: passes per batch, each over the previous pass's guesses (EAGLE-3's "
+                                   "training-time test); depth k's loss weighs decay**k")
     lora_r: int = setting(16, "Medusa-2: LoRA rank")
     lora_alpha: int = setting(32, "Medusa-2: LoRA alpha")
     merge: bool = setting(False, "Medusa-2: save a merged model instead of the LoRA adapter")
@@ -77,6 +80,8 @@ class TrainConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.draft not in DRAFTS:
             raise ValueError(f"draft must be one of {DRAFTS}, got {self.draft!r}")
+        if self.draft_depths < 1:
+            raise ValueError(f"draft_depths must be >= 1, got {self.draft_depths}")
         if self.draft == "eagle" and self.mode != "medusa1":
             raise ValueError("an EAGLE-style draft trains on a frozen backbone: use mode 'medusa1'")
         if self.epochs < 1 or self.batch_size < 1 or self.max_length < 8:
@@ -218,10 +223,12 @@ class TrainModule(torch.nn.Module):
             del state[key]
         return state
 
-    def draft_loss(self, hidden, ids, labels, noise: float = 0.0):
-        """(loss, per-head stats) of the draft (Medusa heads or an EAGLE-style draft) over backbone states."""
+    def draft_loss(self, hidden, ids, labels, noise: float = 0.0, depths: int | None = None):
+        """(loss, per-head stats) of the draft (Medusa heads or an EAGLE-style draft) over backbone states; an
+        EAGLE draft's stats per depth (`depths` of them: default, the trained ones)."""
         if self.config.draft == "eagle":
-            return eagle_loss(self.heads, hidden, ids, labels, noise)
+            return eagle_loss(self.heads, hidden, ids, labels, noise, depths or self.config.draft_depths,
+                              self.config.decay)
         return heads_loss(self.heads, hidden, labels, self.config.decay, ids=ids)
 
     def forward(self, ids, labels, mask, hidden=None, joint: bool = True):
@@ -343,7 +350,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, examples: list[Example], states: list[torch.Tensor] | None = None) -> list[dict]:
         """Per-head top-1 / top-5 accuracy on held-out examples (from their cached hidden states, if given); an
-        EAGLE draft's is one row: its guess of the token after next, from the base's features."""
+        EAGLE draft's per depth: its guess of the token d + 1 places ahead, along the real path."""
         totals = 0
         body = adapter.decoder(self.model.base_model)
         for start in range(0, len(examples), 8):
@@ -352,7 +359,7 @@ class Trainer:
                                                 None if states is None else states[chunk])
             if hidden is None:
                 hidden = body(input_ids=ids, attention_mask=mask).last_hidden_state
-            totals = totals + self.module.draft_loss(hidden.float(), ids, labels)[1]
+            totals = totals + self.module.draft_loss(hidden.float(), ids, labels, depths=EAGLE_EVAL_DEPTHS)[1]
         return [{"top1": t[0].item() / max(1, t[2].item()), "top5": t[1].item() / max(1, t[2].item()),
                  "targets": t[2].item()} for t in totals]
 
