@@ -183,15 +183,16 @@ class Drafting:
 
         k = shape.topk
         logp = torch.log_softmax(draft.logits(state).float(), dim=-1)
-        score, index = logp.topk(k, dim=-1)  # depth 1: the root's best children
-        pool_tokens, pool_parents, pool_scores = [draft.token_ids(index)], [torch.full_like(index, -1)], [score]
+        scores, index = logp.topk(k, dim=-1)  # depth 1: the root's best children
+        tokens = draft.token_ids(index)
+        pool_tokens, pool_parents, pool_scores = [tokens], [torch.full_like(index, -1)], [scores]
         frontier = torch.arange(k, device=device).expand(batch, k)  # pool indices of the nodes to expand
         inputs = state[:, None].expand(batch, k, state.shape[-1])  # the feature each frontier node reads
         seen = torch.eye(k, shape.depth * k, dtype=torch.bool, device=device).expand(batch, k, -1)
-        lengths = cache.lengths
+        lengths, pooled = cache.lengths, k
         for d in range(1, shape.depth):
-            # the frontier (depth d) through the draft: it sees the cache, its ancestors and itself
-            tokens = torch.cat(pool_tokens, 1).gather(1, frontier)
+            # the frontier (depth d: its tokens and scores) through the draft: it sees the cache, its
+            # ancestors and itself
             slots = torch.arange(int(lengths.max()) + d * k, device=device)
             rel = slots[None, :] - lengths[:, None]  # (B, S)
             ancestors = seen.gather(2, rel.clamp(0, d * k - 1)[:, None, :].expand(batch, k, -1))
@@ -199,19 +200,20 @@ class Drafting:
             cache.prepare(k, slots.numel(), offset=(d - 1) * k)
             out = draft(inputs, tokens, (lengths + d - 1)[:, None].expand(batch, k), cache, allowed)  # (B, k, H)
             logp = torch.log_softmax(draft.logits(out).float(), dim=-1)
-            child_score, index = logp.topk(k, dim=-1)  # (B, k, k)
-            child_score = (torch.cat(pool_scores, 1).gather(1, frontier)[..., None] + child_score).flatten(1)
-            first = sum(t.shape[1] for t in pool_tokens)
-            pool_tokens.append(draft.token_ids(index).flatten(1))
+            child_scores, index = logp.topk(k, dim=-1)  # (B, k, k)
+            child_scores = (scores[..., None] + child_scores).flatten(1)
+            child_tokens = draft.token_ids(index).flatten(1)
+            pool_tokens.append(child_tokens)
             pool_parents.append(frontier[:, :, None].expand(batch, k, k).flatten(1))
-            pool_scores.append(child_score)
+            pool_scores.append(child_scores)
             if d + 1 < shape.depth:  # the best k children are the next frontier
-                best = child_score.topk(k, dim=-1).indices  # (B, k)
-                parent = best // k
-                frontier = first + best
+                scores, best = child_scores.topk(k, dim=-1)  # (B, k)
+                tokens, parent = child_tokens.gather(1, best), best // k
+                frontier = pooled + best
                 inputs = out.gather(1, parent[..., None].expand(-1, -1, out.shape[-1]))
                 seen = seen.gather(1, parent[..., None].expand(-1, -1, seen.shape[-1]))
                 seen[:, torch.arange(k, device=device), d * k + torch.arange(k, device=device)] = True
+            pooled += k * k
         return _best_nodes(root, torch.cat(pool_tokens, 1), torch.cat(pool_parents, 1), torch.cat(pool_scores, 1),
                            shape)
 
