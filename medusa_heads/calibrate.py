@@ -44,6 +44,7 @@ import torch
 
 from . import lookup
 from .accuracy import accuracy_table, head_ranks, rank_hits
+from .decoding import Decoding
 from .generate import make_decoder
 from .lookup import first_difference
 from .tree import Tree
@@ -179,7 +180,7 @@ def record_answers(model, prompts: list[torch.Tensor], max_new_tokens: int, max_
 def step_time(model, ids: torch.Tensor, tree: Tree, steps: int = 8) -> float:
     """Seconds per decoding step with this tree (prefill and a first step excluded)."""
     enough = (steps + 2) * (tree.depth + 1)  # never runs out before the last timed step
-    decoder = make_decoder(model, ids, None, max_new_tokens=enough, tree=tree, eos_token_id=[], adapt=False)
+    decoder = make_decoder(model, ids, Decoding(max_new_tokens=enough, tree=tree), eos_token_id=[])
     loop = decoder.steps()
     next(loop)  # prefill
     next(loop)  # a first step warms up

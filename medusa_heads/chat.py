@@ -6,13 +6,15 @@ import time
 from collections.abc import Callable
 
 from .decoder import TextDeltas
+from .decoding import Decoding
 from .generate import make_decoder
 
 HELP = "medusa chat: type a message; /reset clears the history, /exit quits"
 
 
-def run_chat(model, decoding: dict, read: Callable[[str], str] = input, write: Callable[[str], None] = print) -> None:
-    """Read-eval-print loop; `decoding` holds make_decoder keyword arguments."""
+def run_chat(model, decoding: Decoding, read: Callable[[str], str] = input,
+             write: Callable[[str], None] = print) -> None:
+    """Read-eval-print loop; each answer decoded as `decoding` says."""
     write(HELP)
     history: list[dict[str, str]] = []
     while True:
@@ -31,7 +33,7 @@ def run_chat(model, decoding: dict, read: Callable[[str], str] = input, write: C
             continue
         history.append({"role": "user", "content": line})
         start = time.perf_counter()
-        decoder = make_decoder(model, model.chat_ids(history), None, **decoding)
+        decoder = make_decoder(model, model.chat_ids(history), decoding)
         deltas = TextDeltas(decoder)
         write("assistant> ", end="", flush=True)
         for _ in decoder.steps():

@@ -6,7 +6,12 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+
+from .decoding import Decoding
+from .settings import from_arguments, setting
+from .train.trainer import TrainConfig
 
 DEMO_PROMPTS = [
     "Explain in three sentences why the sky is blue.",
@@ -19,16 +24,19 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
           "fp16": "float16"}
 
 
-def add_model_args(parser: argparse.ArgumentParser,
-                   heads_help: str = "heads folder (default: the heads shipped for the default model)",
-                   base_help: str = "hub id, HF folder or GGUF file (default: the embedded SmolLM2-135M-Instruct)",
-                   ) -> None:
-    parser.add_argument("--base", help=base_help)
-    parser.add_argument("--heads", help=heads_help)
-    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-                        help="float32 (fp32: exact), bfloat16 (bf16: faster where the hardware has it), float16 or "
-                             "auto (default: auto, the model's own)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+@dataclass
+class Loading:
+    """Which model to load, and how: the options of every command that loads one."""
+
+    base: str | None = setting(None, "hub id, HF folder or GGUF file (default: the embedded SmolLM2-135M-Instruct; "
+                               "export: the base recorded with --heads)")
+    heads: str | None = setting(None, "heads or EAGLE-style draft folder (default: the heads shipped for the default "
+                                "model; train: fresh heads, or these trained further)")
+    dtype: str = setting("auto", "float32 (fp32: exact), bfloat16 (bf16: faster where the hardware has it), float16 "
+                         "or auto (the model's own)", ("auto", *DTYPES))
+    device: str | None = setting(None, "cpu, cuda, cuda:1 ... (default: cuda if available)")
+    compile: bool = setting(False, "decoding passes through torch.compile: faster steps after a compile (a minute+ "
+                            "at first); for commands that decode")
 
 
 def load_model(args: argparse.Namespace, **kwargs):
@@ -36,11 +44,12 @@ def load_model(args: argparse.Namespace, **kwargs):
 
     from .model import MedusaModel
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    hf = {} if args.dtype == "auto" else {"dtype": getattr(torch, DTYPES[args.dtype])}
+    loading = from_arguments(Loading, args)
+    device = loading.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    hf = {} if loading.dtype == "auto" else {"dtype": getattr(torch, DTYPES[loading.dtype])}
     kwargs.setdefault("projection", "shared")  # fresh heads only: an own copy of lm_head would change nothing
-    model = MedusaModel.from_pretrained(args.base, heads=args.heads, **hf, **kwargs).to(device)
-    if getattr(args, "compile", False):
+    model = MedusaModel.from_pretrained(loading.base, heads=loading.heads, **hf, **kwargs).to(device)
+    if loading.compile:
         print("--compile: the first decoding passes compile (a minute per graph on a small CPU, ~15 s once cached)",
               file=sys.stderr)
         model.compile_decoding()
@@ -58,38 +67,12 @@ def report_tuning(model, refresh: bool = False) -> None:
         print(f"all linear layers, ms (median of {ROUTE_ROUNDS} rounds):\n{tuned.routes.table()}", file=sys.stderr)
 
 
-def add_compile_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--compile", action="store_true",
-                        help="decoding passes through torch.compile: faster steps after a compile (a minute+ at first)")
-
-
-def add_decoding_args(parser: argparse.ArgumentParser) -> None:
-    from .acceptance import Sampling
-    from .settings import add_arguments
-
-    add_arguments(parser, Sampling)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--tree", default="auto", help="auto (default: the tree probed fastest on this machine), a "
-                        "preset (default, reference, chain-D, dense-WxD, plain) or a JSON file; append +lookupL for a "
-                        "prompt-lookup branch of L tokens (+lookup0 drops it); an EAGLE-style draft grows "
-                        "dynamic-NxDxK trees (N tokens, D rounds of top-K)")
-    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--adapt", action="store_true",
-                        help="the tree follows what each answer accepts (medusa_heads.adaptive)")
-    parser.add_argument("--seed", type=int, default=None)
-
-
-def decoding_kwargs(args: argparse.Namespace) -> dict:
-    return dict(acceptance=args.acceptance, temperature=args.temperature, top_p=args.top_p, epsilon=args.epsilon,
-                delta=args.delta, max_new_tokens=args.max_new_tokens, tree=args.tree, stop=args.stop, seed=args.seed,
-                adapt=args.adapt)
-
-
 def cmd_generate(args: argparse.Namespace) -> None:
     from .tree import Tree
 
-    if args.tree != "auto":
-        Tree.load(args.tree)  # a bad tree fails before the model loads
+    decoding = from_arguments(Decoding, args)  # bad settings fail before the model loads
+    if decoding.tree != "auto":
+        Tree.load(decoding.tree)
     model = load_model(args)
     report_tuning(model)  # (decoding probes a new machine whatever the tree: the kernel routes)
     if args.raw:
@@ -97,11 +80,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
     else:
         ids = model.chat_ids(args.prompt)
     if not args.json:
-        for piece in model.stream(ids, **decoding_kwargs(args)):
+        for piece in model.stream(ids, **vars(decoding)):
             print(piece, end="", flush=True)
         print()
         return
-    out = model.generate(ids, **decoding_kwargs(args))
+    out = model.generate(ids, **vars(decoding))
     new = len(out.new_tokens[0])
     print(json.dumps({
         "text": out.texts[0],
@@ -166,8 +149,6 @@ def cmd_bench_load(args: argparse.Namespace) -> None:
 
 def setup_bench_load(p: argparse.ArgumentParser) -> None:
     p.add_argument("--questions", required=True, help="Spec-Bench JSONL; first turns are the requests")
-    add_model_args(p)
-    add_compile_arg(p)
     p.add_argument("--batch-sizes", default="1,2,4,8")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--limit", type=int, default=None, help="first Q questions only")
@@ -182,8 +163,6 @@ def setup_bench(p: argparse.ArgumentParser) -> None:
                         "code, from --prompts minus --exclude) plus MT-bench (--questions); --per-category each")
     p.add_argument("--prompts", help="--suite: prompts JSONL with categories (../shared/data/train_prompts.jsonl)")
     p.add_argument("--exclude", action="append", help="--suite: JSONL whose records' ids are skipped (training data)")
-    add_model_args(p)
-    add_compile_arg(p)
     p.add_argument("--methods", default="hf,hf-pld,plain,medusa",
                    help="comma-separated: hf, hf-pld, plain, medusa (tree auto), medusa:TREE, medusa-adapt[:TREE], "
                         "llama.cpp:gguf, "
@@ -217,8 +196,6 @@ def cmd_distill(args: argparse.Namespace) -> None:
 
 
 def setup_distill(p: argparse.ArgumentParser) -> None:
-    add_model_args(p)
-    add_compile_arg(p)
     p.add_argument("--prompts", required=True, help='JSONL of {"turns": [...]} or ShareGPT (assistant turns redone)')
     p.add_argument("--out", required=True, help="ShareGPT JSONL to write (resumes if it exists)")
     p.add_argument("--max-new-tokens", type=int, default=512)
@@ -234,8 +211,7 @@ def setup_distill(p: argparse.ArgumentParser) -> None:
 
 def cmd_train(args: argparse.Namespace) -> None:
     from .default import default_base_dir
-    from .settings import from_arguments
-    from .train.trainer import TrainConfig, Trainer, prepare_examples
+    from .train.trainer import Trainer, prepare_examples
 
     config = from_arguments(TrainConfig, args)
     if args.base is None:  # named, so that the default base gets fresh heads, not the shipped ones
@@ -253,14 +229,9 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def setup_train(p: argparse.ArgumentParser) -> None:
-    from .settings import add_arguments
-    from .train.trainer import TrainConfig
-
-    add_model_args(p, heads_help="heads folder to train further (default: fresh heads)")
     p.add_argument("--data", required=True, help="ShareGPT / messages JSON or JSONL")
     p.add_argument("--out", required=True, help="folder for the heads (and checkpoints)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
-    add_arguments(p, TrainConfig)
 
 
 def cmd_export(args: argparse.Namespace) -> None:
@@ -280,7 +251,6 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 
 def setup_export(p: argparse.ArgumentParser) -> None:
-    add_model_args(p, base_help="hub id, HF folder or GGUF file (default: the base recorded with --heads)")
     p.add_argument("--format", required=True, choices=["vllm", "tgi", "medusa"])
     p.add_argument("--out", required=True, help="folder to write")
 
@@ -298,8 +268,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def setup_serve(p: argparse.ArgumentParser) -> None:
-    add_model_args(p)
-    add_compile_arg(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-concurrency", type=int, default=4, help="requests decoded at once")
@@ -316,13 +284,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
     model = load_model(args)
     report_tuning(model)
-    run_chat(model, decoding_kwargs(args))
-
-
-def setup_chat(p: argparse.ArgumentParser) -> None:
-    add_model_args(p)
-    add_compile_arg(p)
-    add_decoding_args(p)
+    run_chat(model, from_arguments(Decoding, args))
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
@@ -385,8 +347,6 @@ def calibrate_dynamic(args: argparse.Namespace, model, prompts) -> None:
 
 
 def setup_calibrate(p: argparse.ArgumentParser) -> None:
-    add_model_args(p)
-    add_compile_arg(p)
     p.add_argument("--probe", action="store_true",
                    help="only probe this machine again (kernel routes, cost curve, the auto tree) and cache it")
     p.add_argument("--prompts", help='JSONL of {"turns": [...]} or ShareGPT; first turns are used')
@@ -403,41 +363,58 @@ def setup_calibrate(p: argparse.ArgumentParser) -> None:
 
 def setup_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt")
-    add_model_args(p)
-    add_compile_arg(p)
-    add_decoding_args(p)
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     p.add_argument("--json", action="store_true", help="print text, new tokens, steps, mean accepted length, tok/s")
 
 
 def setup_demo(p: argparse.ArgumentParser) -> None:
-    add_model_args(p)
-    add_compile_arg(p)
     p.add_argument("--max-new-tokens", type=int, default=128)
 
 
-# name: (help, add the arguments, run)
-COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], None]]] = {
-    "generate": ("answer one prompt (streams the text; --json for stats)", setup_generate, cmd_generate),
-    "bench": ("Spec-Bench-style benchmark of Medusa against the peers", setup_bench, cmd_bench),
-    "distill": ("self-distillation: the model answers prompts itself (resumable)", setup_distill, cmd_distill),
-    "train": ("train heads: Medusa-1 (frozen backbone) or Medusa-2 (LoRA backbone)", setup_train, cmd_train),
+def no_options(p: argparse.ArgumentParser) -> None:
+    """A command whose options are all its settings dataclasses'."""
+
+
+# name: (help, the settings dataclasses its options come from, add its other options, run)
+COMMANDS: dict[str, tuple[str, tuple[type, ...], Callable[[argparse.ArgumentParser], None],
+                          Callable[[argparse.Namespace], None]]] = {
+    "generate": ("answer one prompt (streams the text; --json for stats)", (Loading, Decoding), setup_generate,
+                 cmd_generate),
+    "bench": ("Spec-Bench-style benchmark of Medusa against the peers", (Loading,), setup_bench, cmd_bench),
+    "distill": ("self-distillation: the model answers prompts itself (resumable)", (Loading,), setup_distill,
+                cmd_distill),
+    "train": ("train heads: Medusa-1 (frozen backbone) or Medusa-2 (LoRA backbone)", (Loading, TrainConfig),
+              setup_train, cmd_train),
     "calibrate": ("record head accuracy, measure this device's cost curve, write the best tree (--probe: "
-                  "probe this machine again)", setup_calibrate, cmd_calibrate),
-    "export": ("write heads for vLLM, TGI or the original Medusa code", setup_export, cmd_export),
-    "chat": ("chat in the terminal, streaming, with speed statistics", setup_chat, cmd_chat),
-    "serve": ("OpenAI-compatible HTTP server (chat, completions, streaming)", setup_serve, cmd_serve),
-    "bench-load": ("throughput and latency at batch 1, 2, 4, 8: Medusa vs plain batched", setup_bench_load,
-                   cmd_bench_load),
-    "demo": ("answer a few prompts with the default model: plain vs Medusa speed", setup_demo, cmd_demo),
+                  "probe this machine again)", (Loading,), setup_calibrate, cmd_calibrate),
+    "export": ("write heads for vLLM, TGI or the original Medusa code", (Loading,), setup_export, cmd_export),
+    "chat": ("chat in the terminal, streaming, with speed statistics", (Loading, Decoding), no_options, cmd_chat),
+    "serve": ("OpenAI-compatible HTTP server (chat, completions, streaming)", (Loading,), setup_serve, cmd_serve),
+    "bench-load": ("throughput and latency at batch 1, 2, 4, 8: Medusa vs plain batched", (Loading,),
+                   setup_bench_load, cmd_bench_load),
+    "demo": ("answer a few prompts with the default model: plain vs Medusa speed", (Loading,), setup_demo, cmd_demo),
 }
 
 
+class Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, unless its help already says it or it has none worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or action.default == [] or "default" in (
+                action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The `medusa` parser: each command's options generated from its settings dataclasses (transformers'
+    HfArgumentParser reads their fields' types, defaults, help and choices), then its own."""
+    from transformers import HfArgumentParser
+
     parser = argparse.ArgumentParser(prog="medusa", description="Medusa speculative decoding for Hugging Face LMs")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (help, setup, run) in COMMANDS.items():
-        p = sub.add_parser(name, help=help, description=help)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=HfArgumentParser)
+    for name, (help, settings, setup, run) in COMMANDS.items():
+        p = sub.add_parser(name, help=help, description=help, dataclass_types=settings, formatter_class=Help)
         setup(p)
         p.set_defaults(run=run)
     return parser

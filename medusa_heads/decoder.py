@@ -24,6 +24,7 @@ import torch
 from . import adapter, adaptive, eagle, lookup, speed
 from .acceptance import Sampling, accept, choose
 from .cache import TreeCache
+from .decoding import Decoding
 from .tree import DynamicTree, StepTree, Tree
 
 
@@ -39,11 +40,11 @@ class Request:
     sampling settings and seed draw from one random stream (so a sampled batch repeats as a batch)."""
 
     prompt: torch.Tensor  # (T,) token ids
-    max_new_tokens: int = 256
+    max_new_tokens: int = Decoding.max_new_tokens
     sampling: Sampling = field(default_factory=Sampling)
     stop: str | list[str] | None = None  # strings that end the answer
     eos_token_id: int | list[int] | None = None  # None: the model's
-    seed: int | None = None
+    seed: int | None = Decoding.seed
 
     @classmethod
     def batch(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **settings) -> list[Request]:

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .acceptance import Sampling
 from .decoder import Decoder, Request, TextDeltas, mean_accepted_length, pad_id
+from .decoding import Decoding
 from .eagle import EagleDraft
 from .tree import DynamicTree, Tree
 
@@ -35,36 +35,19 @@ class GenerationOutput:
         return mean_accepted_length(self.accept_lengths)
 
 
-def generate(
-    model,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    max_new_tokens: int = 256,
-    acceptance: str = Sampling.acceptance,
-    temperature: float = Sampling.temperature,
-    top_p: float = Sampling.top_p,
-    tree: str | Tree | list | None = "auto",
-    stop: str | list[str] | None = None,
-    eos_token_id: int | list[int] | None = None,
-    seed: int | None = None,
-    epsilon: float = Sampling.epsilon,
-    delta: float = Sampling.delta,
-    adapt: bool = False,
-) -> GenerationOutput:
-    """Generate with Medusa heads.
+def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             eos_token_id: int | list[int] | None = None, **settings) -> GenerationOutput:
+    """Generate with Medusa heads (or an EAGLE-style draft).
 
     input_ids: (B, T); with B > 1 give attention_mask (left or right padding both work).
-    acceptance: "greedy" (identical to plain greedy decoding), "exact" (samples exactly as the base
-    model at this temperature / top_p) or "typical" (the paper's typical acceptance, epsilon/delta).
-    tree: "auto" (None: the same) picks the tree probed fastest on this machine for these heads
-    (`medusa_heads.tuning`); or a Tree, a preset name ("default", "reference", "chain-3", "dense-2x3",
-    "plain"), a JSON file or a list of paths; for an EAGLE-style draft, a DynamicTree ("dynamic-NxDxK").
-    stop: strings that end generation; eos_token_id: defaults to the model's.
-    adapt: each row's tree follows what it accepts (`medusa_heads.adaptive`; measured no faster on a 2-core
-    AMD EPYC, so off by default); False: the tree as given at every step.
+    eos_token_id: defaults to the model's. settings: the fields of `medusa_heads.decoding.Decoding`, e.g.
+    max_new_tokens, acceptance ("greedy": identical to plain greedy decoding; "exact": samples exactly as
+    the base model at this temperature / top_p; "typical": the paper's typical acceptance, epsilon/delta),
+    tree ("auto", the default, picks the tree probed fastest on this machine for these heads, see
+    `medusa_heads.tuning`; or a Tree, a preset name, a JSON file or a list of paths; for an EAGLE-style draft,
+    "dynamic-NxDxK"), stop (strings that end generation), seed, adapt.
     """
-    decoder = make_decoder(model, input_ids, attention_mask, max_new_tokens, acceptance, temperature, top_p, tree, stop,
-                           eos_token_id, seed, epsilon, delta, adapt)
+    decoder = make_decoder(model, input_ids, Decoding(**settings), attention_mask, eos_token_id)
     start = time.perf_counter()
     for _ in decoder.steps():
         pass
@@ -85,25 +68,25 @@ def _output(decoder: Decoder, input_ids: torch.Tensor, elapsed: float) -> Genera
                             finish_reasons=[r.finish_reason for r in rows], elapsed=elapsed)
 
 
-def stream(model, input_ids: torch.Tensor, **kwargs) -> Iterator[str]:
+def stream(model, input_ids: torch.Tensor, eos_token_id: int | list[int] | None = None, **settings) -> Iterator[str]:
     """Like `generate` for one prompt, but yields the decoded text as it grows (stop strings cut)."""
     if input_ids.shape[0] != 1:
         raise ValueError("stream() takes one prompt; use generate() for a batch")
     model.require_tokenizer()
-    decoder = make_decoder(model, input_ids, None, **kwargs)
+    decoder = make_decoder(model, input_ids, Decoding(**settings), eos_token_id=eos_token_id)
     deltas = TextDeltas(decoder)
     for _ in decoder.steps():
         if delta := deltas():
             yield delta
 
 
-def make_decoder(model, input_ids, attention_mask, max_new_tokens=256, acceptance=Sampling.acceptance,
-                 temperature=Sampling.temperature, top_p=Sampling.top_p, tree="auto", stop=None, eos_token_id=None,
-                 seed=None, epsilon=Sampling.epsilon, delta=Sampling.delta, adapt=False) -> Decoder:
-    decoder = Decoder(model, resolve_tree(model, tree), adapt)
-    sampling = Sampling(acceptance, temperature, top_p, epsilon, delta)
-    decoder.add(Request.batch(input_ids, attention_mask, max_new_tokens=max_new_tokens, sampling=sampling,
-                              stop=stop, eos_token_id=eos_token_id, seed=seed))
+def make_decoder(model, input_ids: torch.Tensor, decoding: Decoding, attention_mask: torch.Tensor | None = None,
+                 eos_token_id: int | list[int] | None = None) -> Decoder:
+    """A Decoder holding one request per row of input_ids (B, T), decoded as `decoding` says."""
+    decoder = Decoder(model, resolve_tree(model, decoding.tree), decoding.adapt)
+    decoder.add(Request.batch(input_ids, attention_mask, max_new_tokens=decoding.max_new_tokens,
+                              sampling=decoding.sampling, stop=decoding.stop, eos_token_id=eos_token_id,
+                              seed=decoding.seed))
     return decoder
 
 

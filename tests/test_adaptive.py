@@ -5,6 +5,7 @@ import torch
 from conftest import ARCHS, hf_greedy, medusa_tiny
 
 from medusa_heads import adaptive
+from medusa_heads.decoding import Decoding
 from medusa_heads.generate import make_decoder
 
 
@@ -47,7 +48,7 @@ def test_heads_turned_off_keep_the_tokens_and_come_back(arch, monkeypatch):
     drafts = []
     real = model.heads.draft
     monkeypatch.setattr(model.heads, "draft", lambda *a: drafts.append(1) or real(*a))
-    decoder = make_decoder(model, ids, None, max_new_tokens=32, tree="default+lookup6", eos_token_id=[], adapt=True)
+    decoder = make_decoder(model, ids, Decoding(max_new_tokens=32, tree="default+lookup6", adapt=True), eos_token_id=[])
     decoder.heads_threshold = 99.0  # no head depth pays: heads only on the refresh steps
     for _ in decoder.steps():
         pass
@@ -61,8 +62,8 @@ def test_heads_turned_off_keep_the_tokens_and_come_back(arch, monkeypatch):
 def test_lookup_budget_follows_each_row_and_static_keeps_the_tree():
     model = medusa_tiny("llama")
     ids = torch.tensor([[3, 4, 5, 6, 3, 4, 5, 6, 3, 4, 5, 6, 3, 4]])
-    adapted = make_decoder(model, ids, None, max_new_tokens=40, tree="plain+lookup12", eos_token_id=[], adapt=True)
-    static = make_decoder(model, ids, None, max_new_tokens=40, tree="plain+lookup12", eos_token_id=[])
+    adapted = make_decoder(model, ids, Decoding(max_new_tokens=40, tree="plain+lookup12", adapt=True), eos_token_id=[])
+    static = make_decoder(model, ids, Decoding(max_new_tokens=40, tree="plain+lookup12"), eos_token_id=[])
     budgets = []
     for _ in adapted.steps():
         budgets.append(adapted._rows[0].lookup_budget)

@@ -92,20 +92,33 @@ def test_export_takes_the_base_recorded_with_the_heads(tiny_folder, tmp_path, ca
 
 
 def test_decoding_defaults_agree_across_library_cli_and_server():
-    import inspect
-
-    from medusa_heads.acceptance import Sampling
-    from medusa_heads.generate import generate, make_decoder
+    from medusa_heads.decoding import Decoding
     from medusa_heads.serve.schemas import CompletionRequest
+    from medusa_heads.settings import from_arguments
 
-    settings = {name: getattr(Sampling, name) for name in ("acceptance", "temperature", "top_p", "epsilon", "delta")}
-    for function in (generate, make_decoder):
-        parameters = inspect.signature(function).parameters
-        assert {name: parameters[name].default for name in settings} == settings, function.__name__
-    cli = vars(build_parser().parse_args(["generate", "x"]))
-    assert {name: cli[name] for name in settings} == settings
-    fields = CompletionRequest.model_fields
-    assert (fields["temperature"].default, fields["top_p"].default) == (settings["temperature"], settings["top_p"])
+    for argv in (["generate", "x"], ["chat"]):  # every option's default is the library's
+        assert from_arguments(Decoding, build_parser().parse_args(argv)) == Decoding()
+    args = build_parser().parse_args(["generate", "x", "--acceptance", "exact", "--temperature", "0.5", "--top-p",
+                                      "0.9", "--max-new-tokens", "9", "--stop", "a", "b", "--seed", "3", "--adapt"])
+    assert from_arguments(Decoding, args) == Decoding("exact", 0.5, 0.9, max_new_tokens=9, stop=["a", "b"], seed=3,
+                                                      adapt=True)
+    server = CompletionRequest(model="m", prompt="p")
+    assert (server.temperature, server.top_p, server.seed) == (Decoding.temperature, Decoding.top_p, Decoding.seed)
+    # OpenAI's default temperature (the library's too) samples, exactly; temperature 0 is the library's greedy
+    assert server.decoding(Decoding.max_new_tokens) == Decoding("exact")
+    greedy = CompletionRequest(model="m", prompt="p", temperature=0, stop="x").decoding(Decoding.max_new_tokens)
+    assert greedy == Decoding(temperature=0, stop=["x"])
+
+
+def test_library_refuses_unknown_settings():
+    import torch
+    from conftest import medusa_tiny
+
+    model = medusa_tiny()
+    with pytest.raises(TypeError, match="temprature"):
+        model.generate(torch.tensor([[1, 2, 3]]), temprature=0.5)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=0)
 
 
 def test_train_options_are_the_train_config():

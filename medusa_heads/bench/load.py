@@ -17,19 +17,23 @@ def load_bench(model, questions: list[dict], batch_sizes: list[int], max_new_tok
     a request = seconds until its row finished. Greedy outputs of both methods are compared.
     """
     from ..decoder import mean_accepted_length, pad_batch
+    from ..decoding import Decoding
     from ..generate import make_decoder
 
     prompts = [model.chat_ids(q["turns"][0])[0].tolist() for q in questions]
     methods = {"plain": "plain", "medusa": tree}
     for spec in methods.values():  # warm-up
-        for _ in make_decoder(model, torch.tensor([prompts[0]], device=model.device), None, 8, tree=spec).steps():
+        warm = make_decoder(model, torch.tensor([prompts[0]], device=model.device),
+                            Decoding(max_new_tokens=8, tree=spec))
+        for _ in warm.steps():
             pass
     rows = []
     for size in batch_sizes:
         ids, mask = pad_batch([prompts[i % len(prompts)] for i in range(size)])
         outputs = {}
         for name, spec in methods.items():
-            decoder = make_decoder(model, ids.to(model.device), mask.to(model.device), max_new_tokens, tree=spec)
+            decoder = make_decoder(model, ids.to(model.device), Decoding(max_new_tokens=max_new_tokens, tree=spec),
+                                   mask.to(model.device))
             start, finished = time.perf_counter(), {}
             for updates in decoder.steps():
                 now = time.perf_counter() - start

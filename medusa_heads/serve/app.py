@@ -21,7 +21,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from .. import decoder
-from ..acceptance import Sampling
 from .engine import Busy, Engine, Job
 from .schemas import ChatRequest, CompletionRequest, ErrorBody, SamplingFields
 
@@ -133,9 +132,9 @@ def create_app(model, max_concurrency: int = 4, max_queue: int = 64, max_new_tok
             raise APIError(400, f"the prompt ({prompt} tokens) plus max_tokens ({max_tokens}) exceeds the "
                                 f"context of {context} tokens", param="messages" if chat else "prompt",
                            code="context_length_exceeded")
-        sampling = (Sampling("greedy") if body.temperature == 0 else
-                    Sampling(body.acceptance or "exact", body.temperature, body.top_p))
-        job = Job(decoder.Request(ids[0], max_tokens, sampling, body.stop, seed=body.seed), asyncio.get_running_loop())
+        d = body.decoding(max_tokens)
+        job = Job(decoder.Request(ids[0], d.max_new_tokens, d.sampling, d.stop, seed=d.seed),
+                  asyncio.get_running_loop())
         try:
             engine.submit(job)
         except Busy:

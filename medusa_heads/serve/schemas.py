@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..acceptance import Sampling
+from ..decoding import Decoding
 from ..settings import describe
 
 
@@ -34,15 +34,22 @@ class SamplingFields(BaseModel):
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1, description="new tokens at most")
-    temperature: float = Field(default=Sampling.temperature, ge=0.0, le=2.0, description="0 decodes greedily")
-    top_p: float = Field(default=Sampling.top_p, gt=0.0, le=1.0, description=describe(Sampling, "top_p"))
+    temperature: float = Field(default=Decoding.temperature, ge=0.0, le=2.0,
+                               description="0 decodes greedily; > 0 samples (see acceptance)")
+    top_p: float = Field(default=Decoding.top_p, gt=0.0, le=1.0, description=describe(Decoding, "top_p"))
     stop: str | list[str] | None = Field(default=None, description="up to 4 strings that end the answer")
-    seed: int | None = None
+    seed: int | None = Field(default=Decoding.seed, description=describe(Decoding, "seed"))
     n: int = Field(default=1, ge=1, json_schema_extra={"maximum": 1}, description="choices per request: only 1")
     stream: bool = False
     stream_options: StreamOptions | None = None
     acceptance: Literal["exact", "typical"] | None = Field(
         default=None, description="sampling (temperature > 0): exact (default, lossless) or typical (faster)")
+
+    def decoding(self, max_new_tokens: int) -> Decoding:
+        """These fields as decoding settings: temperature 0 decodes greedily, else by `acceptance`."""
+        acceptance = "greedy" if self.temperature == 0 else self.acceptance or "exact"
+        return Decoding(acceptance, self.temperature, self.top_p, max_new_tokens=max_new_tokens, stop=self.stop,
+                        seed=self.seed)
 
     @field_validator("stop")
     @classmethod
