@@ -61,8 +61,30 @@ class Steps:
     drafts: list[tuple[int, int]]  # the prompt-lookup draft (of max(LOOKUPS) tokens): (tokens, right ones)
 
 
+class SavedRecord:
+    """A record of what some heads do, saved as JSON in their folder (`FILE`); its fingerprint keys the tuning."""
+
+    FILE: str
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), separators=(",", ":")) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path):
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+    @classmethod
+    def from_json(cls, data: dict):
+        return cls(**data)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """A hash of the whole record, computed once (every decoder's tuning key holds it)."""
+        return hashlib.sha256(json.dumps(asdict(self)).encode()).hexdigest()[:16]
+
+
 @dataclass
-class Record:
+class Record(SavedRecord):
     """What some heads do on the model's greedy answers to a set of prompts, on any machine."""
 
     accuracy_top_r: list[list[float]]  # per head, top-1..r accuracy (cumulative over ranks)
@@ -72,19 +94,10 @@ class Record:
 
     FILE = "replay.json"  # its name in a heads folder
 
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), separators=(",", ":")) + "\n")
-
     @classmethod
-    def load(cls, path: str | Path) -> Record:
-        data = json.loads(Path(path).read_text())
+    def from_json(cls, data: dict) -> Record:
         answers = [Steps([tuple(r) for r in a["ranks"]], [tuple(d) for d in a["drafts"]]) for a in data["answers"]]
         return cls(data["accuracy_top_r"], data["targets"], answers, data["max_new_tokens"])
-
-    @cached_property
-    def fingerprint(self) -> str:
-        """A hash of the whole record, computed once (every decoder's tuning key holds it)."""
-        return hashlib.sha256(json.dumps(asdict(self)).encode()).hexdigest()[:16]
 
 
 def record_steps(model, sequence: torch.Tensor, start: int, max_rank: int) -> tuple[Steps, torch.Tensor]:
@@ -257,7 +270,7 @@ DYNAMIC_SHAPES = ("dynamic-3x2x1", "dynamic-5x4x1", "dynamic-8x3x3", "dynamic-12
 
 
 @dataclass
-class DynamicRecord:
+class DynamicRecord(SavedRecord):
     """The accepted length of an EAGLE-style draft with each dynamic tree, on the model's greedy answers to a
     set of prompts (the same on any machine)."""
 
@@ -266,17 +279,6 @@ class DynamicRecord:
     max_new_tokens: int
 
     FILE = "dynamic.json"  # its name in a heads folder
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path) -> DynamicRecord:
-        return cls(**json.loads(Path(path).read_text()))
-
-    @cached_property
-    def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def load_record(directory: str | Path) -> Record | DynamicRecord | None:
