@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .decoding import Decoding
+from .decoding import TREE_HELP, Decoding
 from .settings import from_arguments, setting
 from .train.trainer import TrainConfig
 
@@ -152,7 +152,7 @@ def setup_bench_load(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default="1,2,4,8")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--limit", type=int, default=None, help="first Q questions only")
-    p.add_argument("--tree", default="auto", help="tree for Medusa (default: auto, probed on this machine)")
+    p.add_argument("--tree", default=Decoding.tree, help=f"the Medusa rows' tree: {TREE_HELP}")
     p.add_argument("--out", required=True, help="folder for load.json and load.md")
 
 
@@ -273,9 +273,7 @@ def setup_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=4, help="requests decoded at once")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait; beyond that: 429")
     p.add_argument("--max-new-tokens-limit", type=int, default=2048, help="largest max_tokens accepted")
-    p.add_argument("--tree", default="auto",
-                   help="auto (default: probed on this machine), a tree preset, dynamic-NxDxK (EAGLE-style drafts) "
-                        "or a JSON file (`medusa calibrate`)")
+    p.add_argument("--tree", default=Decoding.tree, help=f"every request's tree: {TREE_HELP}")
     p.add_argument("--log-level", default="warning")
 
 

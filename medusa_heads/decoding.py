@@ -11,7 +11,7 @@ from .settings import setting
 
 TREE_HELP = ("auto (the tree probed fastest on this machine), a preset (default, reference, chain-D, dense-WxD, "
              "plain) or a JSON file; append +lookupL for a prompt-lookup branch of L tokens (+lookup0 drops it); an "
-             "EAGLE-style draft grows dynamic-NxDxK trees (N tokens, D rounds of top-K); the library also takes a Tree")
+             "EAGLE-style draft grows dynamic-NxDxK trees (N tokens, D rounds of top-K)")
 
 
 @dataclass
@@ -19,7 +19,7 @@ class Decoding(Sampling):
     """The sampling (acceptance, temperature, top_p, epsilon, delta), the tree, how long, what stops it, the seed."""
 
     max_new_tokens: int = setting(256, "new tokens at most")
-    tree: str = setting("auto", TREE_HELP)
+    tree: str = setting("auto", TREE_HELP)  # the library also takes a Tree or a list of paths
     stop: list[str] = field(default_factory=list, metadata={"help": "strings that end the answer (cut from the text)"})
     seed: int | None = setting(None, "seed of the sampling (none: a fresh random stream)")
     adapt: bool = setting(False, "the tree follows what each answer accepts (medusa_heads.adaptive; measured no "
