@@ -132,7 +132,8 @@ def error_of(response: httpx.Response) -> dict:
     ({"model": "{model}", "messages": PROMPTS[0], "temperature": -1}, 400, "temperature"),
     ({"model": "{model}", "messages": PROMPTS[0], "stop": ["", "a"]}, 400, "stop"),
     ({"model": "{model}", "messages": [{"role": "user", "content": "a " * 300}]}, 400, "exceeds the context"),
-    ({"model": "{model}", "prompt": ""}, 400, "empty"),
+    ({"model": "{model}", "prompt": ""}, 400, "at least 1 character"),
+    ({"model": "{model}", "prompt": ["a", "b"]}, 400, "prompt"),
 ])
 def test_bad_requests_get_openai_errors(server, body, status, fragment):
     body = json.loads(json.dumps(body).replace("{model}", server.model))

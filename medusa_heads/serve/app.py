@@ -118,6 +118,8 @@ def create_app(model, max_concurrency: int = 4, max_queue: int = 64, max_new_tok
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         ids = model.tokenizer(body.prompt, return_tensors="pt")["input_ids"].to(model.device)
+        if ids.shape[1] == 0:
+            raise APIError(400, "the prompt encodes to no tokens", param="prompt")
         return await complete(body, ids, request, chat=False)
 
     async def complete(body: SamplingFields, ids: torch.Tensor, request: Request, chat: bool):

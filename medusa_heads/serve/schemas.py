@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..decoding import Decoding
 from ..settings import describe
+
+Text = Annotated[str, Field(min_length=1)]  # a non-empty string
 
 
 class TextPart(BaseModel):
@@ -37,7 +39,8 @@ class SamplingFields(BaseModel):
     temperature: float = Field(default=Decoding.temperature, ge=0.0, le=2.0,
                                description="0 decodes greedily; > 0 samples (see acceptance)")
     top_p: float = Field(default=Decoding.top_p, gt=0.0, le=1.0, description=describe(Decoding, "top_p"))
-    stop: str | list[str] | None = Field(default=None, description="up to 4 strings that end the answer")
+    stop: Text | Annotated[list[Text], Field(max_length=4)] | None = Field(
+        default=None, description="up to 4 strings that end the answer")
     seed: int | None = Field(default=Decoding.seed, description=describe(Decoding, "seed"))
     n: int = Field(default=1, ge=1, json_schema_extra={"maximum": 1}, description="choices per request: only 1")
     stream: bool = False
@@ -54,10 +57,7 @@ class SamplingFields(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stops(cls, value):
-        stops = [value] if isinstance(value, str) else (value or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop takes up to 4 non-empty strings")
-        return stops
+        return [value] if isinstance(value, str) else (value or [])
 
     @field_validator("n")
     @classmethod
@@ -72,18 +72,13 @@ class ChatRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str]
+    prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=1)] = Field(
+        description="the text to continue (or a list of exactly one)")
 
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, value):
-        if isinstance(value, list):
-            if len(value) != 1:
-                raise ValueError("send exactly one prompt")
-            value = value[0]
-        if not value:
-            raise ValueError("the prompt is empty")
-        return value
+        return value[0] if isinstance(value, list) else value
 
 
 class ErrorDetail(BaseModel):
