@@ -280,9 +280,10 @@ def setup_serve(p: argparse.ArgumentParser) -> None:
 def cmd_chat(args: argparse.Namespace) -> None:
     from .chat import run_chat
 
+    decoding = from_arguments(Decoding, args)  # bad settings fail before the model loads
     model = load_model(args)
     report_tuning(model)
-    run_chat(model, from_arguments(Decoding, args))
+    run_chat(model, decoding)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
