@@ -7,7 +7,10 @@ copy of the weight reordered once into its blocked layout). On a 2-core AMD EPYC
 flat in the rows and aten grows fast (SmolLM2-135M's 210 linear layers with cold caches: 1 row 41
 -> 21 ms, 16 rows 76 -> 27 ms); on a 2-core Sapphire Rapids aten wins at one row. So
 `probe_routes` times both on the model's own layers, per row count, and the decoding step takes the
-faster (`Routes`, chosen per machine by `medusa_heads.tuning`). Without a probe, float32 takes the
+faster (`Routes`, chosen per machine by `medusa_heads.tuning`). A third route, "stream"
+(`medusa_heads.stream_linear`, compiled on first use), reads each weight row once for all rows: on a
+2-core AMD EPYC it takes SmolLM2-135M's products at 1 row in ~27-34 ms against packed's ~40-52, and
+wins up to ~16 rows; the probe takes it where it measures faster. Without a probe, float32 takes the
 packed route and bfloat16 aten. Each packed weight is a second copy of the weight, made at its first
 use and remade when the weight changes; a model whose copies would not fit in half the free memory
 decodes without them. Set MEDUSA_HEADS_PACKED_WEIGHTS=0 to turn packing off. Transformers' own
@@ -56,6 +59,9 @@ from torch.nn import functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from .stream_linear import ENABLED as stream_linear_enabled
+from .stream_linear import stream_linear
 
 ENABLED = os.environ.get("MEDUSA_HEADS_PACKED_WEIGHTS", "1") != "0" and torch.backends.mkldnn.is_available()
 FUSED = os.environ.get("MEDUSA_HEADS_FUSED_LINEARS", "1") != "0"
@@ -117,7 +123,7 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed(weight), bias, "none", [], "")
 
 
-ROUTES: dict[str, Callable] = {"aten": F.linear, "packed": _packed_linear}
+ROUTES: dict[str, Callable] = {"aten": F.linear, "packed": _packed_linear, "stream": stream_linear}
 
 
 def _routed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -159,7 +165,8 @@ class RoutedLinear(nn.Linear):
 
 def levers() -> list[str]:
     """The speed levers switched on (they change what a step costs)."""
-    on = {"packed": ENABLED, "fused": ENABLED and FUSED, "grouped-attention": GROUPED_ATTENTION}
+    on = {"packed": ENABLED, "fused": ENABLED and FUSED, "grouped-attention": GROUPED_ATTENTION,
+          "stream": ENABLED and stream_linear_enabled}
     return [name for name, enabled in on.items() if enabled]
 
 

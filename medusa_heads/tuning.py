@@ -44,7 +44,8 @@ ROUTE_ROUNDS = 3  # kernel-route timing rounds in the probe
 ROUNDS, STEPS = 3, 6  # cost-curve rounds and timed steps per tree in the probe
 SIZES = (0, 1, 2, 4, 6, 8, 12, 16, 24, 32, 64)  # head nodes of the trees the probe measures (fewer than calibrate's)
 PROBE_PROMPT = 48  # tokens of the (seeded random) prompt the probe decodes from
-PROBE_VERSION = 2  # raised when what a decoding step computes changes (2: fused siblings, grouped attention)
+PROBE_VERSION = 3  # raised when what a decoding step computes changes (2: fused siblings, grouped attention; 3: the
+# stream kernel route)
 
 
 @dataclass
@@ -98,7 +99,7 @@ def enabled() -> bool:
 def machine(model) -> dict:
     """What the measurements depend on, as reported with every figure: CPU (model, notable ISA
     extensions, a hash of all its flags) or GPU, threads, versions, model, dtype, heads."""
-    cpu, flags = _cpu_info()
+    cpu, flags = cpu_info()
     device = model.device
     record = model.record
     heads = json.dumps(model.heads.config.to_dict(), sort_keys=True) + (record.fingerprint if record else "")
@@ -114,7 +115,7 @@ def machine(model) -> dict:
 
 
 @functools.cache
-def _cpu_info() -> tuple[str, frozenset[str]]:
+def cpu_info() -> tuple[str, frozenset[str]]:
     """The CPU's model name and feature flags (from /proc/cpuinfo where there is one)."""
     name, flags = platform.processor() or platform.machine(), set()
     try:

@@ -106,7 +106,7 @@ def test_another_record_or_machine_probes_again(probing, monkeypatch):
     files = {tuning.cache_file(tuning.tuning(model).machine)}
     model.record = Record(model.record.accuracy_top_r, model.record.targets, model.record.answers[:1], 16)
     files.add(tuning.cache_file(tuning.tuning(model).machine))  # other heads' record: another key
-    monkeypatch.setattr(tuning, "_cpu_info", lambda: ("Some Other CPU", frozenset({"avx2"})))
+    monkeypatch.setattr(tuning, "cpu_info", lambda: ("Some Other CPU", frozenset({"avx2"})))
     assert tuning.tuning(model).machine["cpu"] == "Some Other CPU"
     files.add(tuning.cache_file(model.tuning.machine))
     assert len(files) == 3 and all(file.exists() for file in files)

@@ -1,0 +1,78 @@
+// y = x W^T + b in float32 for a few rows of x: each row of W is read once from memory for all of them, so a
+// decoding step's products run at the memory's speed (oneDNN and MKL reorder or block for larger products).
+// Built for the CPU at hand (-march=native) by medusa_heads/stream_linear.py; needs AVX2 and FMA.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kRows = 4;     // rows of x per pass over a row of W (their sums stay in registers)
+constexpr int64_t kOutputs = 16;  // rows of W per parallel work item
+
+float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+
+// y[m] = w . x[m] (+ b) for R rows of x (R known at compile time: the sums stay in registers)
+template <int R>
+void dot_rows(const float* __restrict w, const float* __restrict x, int64_t K, float* __restrict y, int64_t N,
+              float b) {
+  __m256 sums[R];
+  for (int m = 0; m < R; ++m) sums[m] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const __m256 wk = _mm256_loadu_ps(w + k);
+    for (int m = 0; m < R; ++m) sums[m] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + m * K + k), sums[m]);
+  }
+  for (int m = 0; m < R; ++m) {
+    float s = horizontal_sum(sums[m]);
+    for (int64_t j = k; j < K; ++j) s += w[j] * x[m * K + j];
+    y[m * N] = s + b;
+  }
+}
+
+torch::Tensor stream_linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32, "stream_linear: x must be float32 on the CPU");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32 && weight.is_contiguous(),
+              "stream_linear: weight must be a contiguous float32 matrix");
+  TORCH_CHECK(x.size(-1) == weight.size(1), "stream_linear: x and weight sizes differ");
+  const auto rows = x.reshape({-1, x.size(-1)}).contiguous();
+  const int64_t M = rows.size(0), K = rows.size(1), N = weight.size(0);
+  auto out = torch::empty({M, N}, x.options());
+  const float* X = rows.data_ptr<float>();
+  const float* W = weight.data_ptr<float>();
+  const float* B = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous(),
+                "stream_linear: bias must be a contiguous float32 vector of the outputs' size");
+    B = bias->data_ptr<float>();
+  }
+  float* Y = out.data_ptr<float>();
+  at::parallel_for(0, (N + kOutputs - 1) / kOutputs, 1, [=](int64_t begin, int64_t end) {
+    for (int64_t n = begin * kOutputs; n < std::min(end * kOutputs, N); ++n) {
+      const float b = B ? B[n] : 0.f;
+      for (int64_t m = 0; m < M; m += kRows) {
+        const float* xm = X + m * K;
+        float* ym = Y + m * N + n;
+        switch (std::min(kRows, M - m)) {
+          case 4: dot_rows<4>(W + n * K, xm, K, ym, N, b); break;
+          case 3: dot_rows<3>(W + n * K, xm, K, ym, N, b); break;
+          case 2: dot_rows<2>(W + n * K, xm, K, ym, N, b); break;
+          default: dot_rows<1>(W + n * K, xm, K, ym, N, b);
+        }
+      }
+    }
+  });
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  return out.reshape(shape);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("stream_linear", &stream_linear, "x W^T + b, each row of W read once for all rows of x (float32, CPU)");
+}

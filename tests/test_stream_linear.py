@@ -1,0 +1,55 @@
+"""The stream kernel route: its products equal F.linear's, and greedy decoding with every product on it equals
+transformers' (where a C++ compiler and an AVX2/FMA CPU are there to build it; elsewhere the route is left out)."""
+
+import platform
+import shutil
+
+import pytest
+import torch
+from conftest import ARCHS, hf_greedy, randomize_heads
+from tiny import tiny_model
+from torch.nn import functional as F
+
+from medusa_heads import MedusaModel, speed
+from medusa_heads.stream_linear import stream_linear
+from medusa_heads.tuning import cpu_info
+
+BUILDABLE = shutil.which("c++") is not None and platform.machine() == "x86_64" and {"avx2", "fma"} <= cpu_info()[1]
+pytestmark = pytest.mark.skipif(not BUILDABLE, reason="the stream kernel needs a C++ compiler and an AVX2/FMA CPU")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16])
+def test_products_equal_linear(rows):
+    generator = torch.Generator().manual_seed(rows)
+    for inputs, outputs in ((7, 1), (64, 5), (579, 130)):  # sizes off the 8-wide and 16-output blocks
+        x = torch.randn(rows, inputs, generator=generator)
+        weight, bias = torch.randn(outputs, inputs, generator=generator), torch.randn(outputs, generator=generator)
+        for b in (None, bias):
+            assert torch.allclose(stream_linear(x, weight, b), F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
+    x = torch.randn(2, 2 * rows, 64, generator=generator)[:, ::2]  # (B, T, K), not contiguous
+    weight = torch.randn(33, 64, generator=generator)
+    assert torch.allclose(stream_linear(x, weight, None), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+
+
+def test_refuses_what_it_does_not_compute():
+    x, weight = torch.randn(2, 16), torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="float32"):
+        stream_linear(x.bfloat16(), weight.bfloat16(), None)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        stream_linear(x, torch.randn(16, 8).T, None)
+    with pytest.raises(RuntimeError, match="sizes differ"):
+        stream_linear(x, torch.randn(8, 15), None)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_with_every_product_on_the_stream_route_equals_transformers(arch, monkeypatch):
+    model = randomize_heads(MedusaModel.from_pretrained(tiny_model(arch, dtype=torch.float32), num_heads=3))
+    used = []
+    real = speed.ROUTES["stream"]
+    monkeypatch.setitem(speed.ROUTES, "stream", lambda x, w, b: used.append(x.shape[0]) or real(x, w, b))
+    monkeypatch.setattr(speed.Routes, "route", lambda self, rows, dtype: "stream")
+    ids = torch.tensor([[5, 9, 3, 7, 5, 9, 3]])
+    for tree in ("plain", "default"):
+        out = model.generate(ids, max_new_tokens=24, tree=tree, eos_token_id=[])
+        assert torch.equal(out.sequences, hf_greedy(model.base_model, ids, 24, eos_token_id=[])), (arch, tree)
+    assert used  # the products did take the route
