@@ -45,6 +45,9 @@ def kernel() -> Callable | None:
     if not (folder / f"{name}.so").exists():
         print("medusa-heads: compiling the stream kernel for this CPU (once, ~30 s)", file=sys.stderr, flush=True)
     folder.mkdir(parents=True, exist_ok=True)
+    scripts = str(Path(sys.executable).parent)  # where pip put ninja, if the environment is not activated
+    if scripts not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
     try:
         module = cpp_extension.load(name, [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
                                     extra_ldflags=["-fopenmp"],
