@@ -53,3 +53,14 @@ def test_greedy_with_every_product_on_the_stream_route_equals_transformers(arch,
         out = model.generate(ids, max_new_tokens=24, tree=tree, eos_token_id=[])
         assert torch.equal(out.sequences, hf_greedy(model.base_model, ids, 24, eos_token_id=[])), (arch, tree)
     assert used  # the products did take the route
+
+
+def test_the_probe_times_the_route_and_leaves_it_out_where_it_cannot_be_built(monkeypatch):
+    from medusa_heads import stream_linear as module
+
+    model = MedusaModel.from_pretrained(tiny_model("llama", dtype=torch.float32), num_heads=2)
+    speed.install(model)
+    assert "stream" in speed.probe_routes(model, widths=(1, 4), rounds=1).times["torch.float32"]
+    monkeypatch.setattr(module, "kernel", lambda: None)  # as on a machine without a compiler
+    routes = speed.probe_routes(model, widths=(1, 4), rounds=1)
+    assert set(routes.times["torch.float32"]) == {"aten", "packed"}
