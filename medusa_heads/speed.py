@@ -61,7 +61,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .stream_linear import ENABLED as stream_linear_enabled
-from .stream_linear import stream_linear
+from .stream_linear import build_key, stream_linear
 
 ENABLED = os.environ.get("MEDUSA_HEADS_PACKED_WEIGHTS", "1") != "0" and torch.backends.mkldnn.is_available()
 FUSED = os.environ.get("MEDUSA_HEADS_FUSED_LINEARS", "1") != "0"
@@ -166,7 +166,7 @@ class RoutedLinear(nn.Linear):
 def levers() -> list[str]:
     """The speed levers switched on (they change what a step costs)."""
     on = {"packed": ENABLED, "fused": ENABLED and FUSED, "grouped-attention": GROUPED_ATTENTION,
-          "stream": ENABLED and stream_linear_enabled}
+          f"stream-{build_key()}": ENABLED and stream_linear_enabled}
     return [name for name, enabled in on.items() if enabled]
 
 

@@ -22,13 +22,15 @@ ENABLED = os.environ.get("MEDUSA_HEADS_STREAM_KERNEL", "1") != "0"
 SOURCE = Path(__file__).parent / "csrc" / "stream_linear.cpp"
 
 
-def _build_name() -> str:
-    """The extension's name: a build for one CPU (its flags), torch version and source."""
+@functools.cache
+def build_key() -> str:
+    """What a build is for: one CPU (its flags), torch version and source (a new key: a new build, and a new
+    probe of the routes)."""
     from .tuning import cpu_info
 
     _, flags = cpu_info()
     key = " ".join(sorted(flags)) + torch.__version__ + SOURCE.read_text()
-    return "medusa_heads_stream_linear_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 @functools.cache
@@ -39,7 +41,7 @@ def kernel() -> Callable | None:
         return None
     from torch.utils import cpp_extension
 
-    name = _build_name()
+    name = f"medusa_heads_stream_linear_{build_key()}"
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
     folder = root / name
     if not (folder / f"{name}.so").exists():

@@ -8,7 +8,7 @@
 namespace {
 
 constexpr int64_t kRows = 4;     // rows of x per pass over a row of W (their sums stay in registers)
-constexpr int64_t kOutputs = 16;  // rows of W per parallel work item
+constexpr int64_t kOutputs = 16;  // rows of W per parallel work item (even: rows of W go in pairs)
 
 float horizontal_sum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -16,21 +16,38 @@ float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(_mm_hadd_ps(s, s));
 }
 
-// y[m] = w . x[m] (+ b) for R rows of x (R known at compile time: the sums stay in registers)
-template <int R>
-void dot_rows(const float* __restrict w, const float* __restrict x, int64_t K, float* __restrict y, int64_t N,
-              float b) {
-  __m256 sums[R];
-  for (int m = 0; m < R; ++m) sums[m] = _mm256_setzero_ps();
+// y[m, c] = w[c] . x[m] (+ b[c]) for R rows of x and C rows of w (both known at compile time: the R x C sums stay
+// in registers, and each load of x serves C products, each load of w R of them)
+template <int R, int C>
+void dot_tile(const float* __restrict w, const float* __restrict x, int64_t K, float* __restrict y, int64_t N,
+              const float* __restrict b) {
+  __m256 sums[C][R];
+  for (int c = 0; c < C; ++c)
+    for (int m = 0; m < R; ++m) sums[c][m] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
-    const __m256 wk = _mm256_loadu_ps(w + k);
-    for (int m = 0; m < R; ++m) sums[m] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + m * K + k), sums[m]);
+    __m256 wk[C];
+    for (int c = 0; c < C; ++c) wk[c] = _mm256_loadu_ps(w + c * K + k);
+    for (int m = 0; m < R; ++m) {
+      const __m256 xk = _mm256_loadu_ps(x + m * K + k);
+      for (int c = 0; c < C; ++c) sums[c][m] = _mm256_fmadd_ps(wk[c], xk, sums[c][m]);
+    }
   }
-  for (int m = 0; m < R; ++m) {
-    float s = horizontal_sum(sums[m]);
-    for (int64_t j = k; j < K; ++j) s += w[j] * x[m * K + j];
-    y[m * N] = s + b;
+  for (int c = 0; c < C; ++c)
+    for (int m = 0; m < R; ++m) {
+      float s = horizontal_sum(sums[c][m]);
+      for (int64_t j = k; j < K; ++j) s += w[c * K + j] * x[m * K + j];
+      y[m * N + c] = b ? s + b[c] : s;
+    }
+}
+
+template <int C>
+void dot_rows(const float* w, const float* x, int64_t rows, int64_t K, float* y, int64_t N, const float* b) {
+  switch (rows) {
+    case 4: dot_tile<4, C>(w, x, K, y, N, b); break;
+    case 3: dot_tile<3, C>(w, x, K, y, N, b); break;
+    case 2: dot_tile<2, C>(w, x, K, y, N, b); break;
+    default: dot_tile<1, C>(w, x, K, y, N, b);
   }
 }
 
@@ -52,17 +69,15 @@ torch::Tensor stream_linear(const torch::Tensor& x, const torch::Tensor& weight,
   }
   float* Y = out.data_ptr<float>();
   at::parallel_for(0, (N + kOutputs - 1) / kOutputs, 1, [=](int64_t begin, int64_t end) {
-    for (int64_t n = begin * kOutputs; n < std::min(end * kOutputs, N); ++n) {
-      const float b = B ? B[n] : 0.f;
+    const int64_t last = std::min(end * kOutputs, N);
+    for (int64_t n = begin * kOutputs; n < last; n += 2) {
+      const bool pair = n + 1 < last;
       for (int64_t m = 0; m < M; m += kRows) {
-        const float* xm = X + m * K;
-        float* ym = Y + m * N + n;
-        switch (std::min(kRows, M - m)) {
-          case 4: dot_rows<4>(W + n * K, xm, K, ym, N, b); break;
-          case 3: dot_rows<3>(W + n * K, xm, K, ym, N, b); break;
-          case 2: dot_rows<2>(W + n * K, xm, K, ym, N, b); break;
-          default: dot_rows<1>(W + n * K, xm, K, ym, N, b);
-        }
+        const int64_t rows = std::min(kRows, M - m);
+        if (pair)
+          dot_rows<2>(W + n * K, X + m * K, rows, K, Y + m * N + n, N, B ? B + n : nullptr);
+        else
+          dot_rows<1>(W + n * K, X + m * K, rows, K, Y + m * N + n, N, B ? B + n : nullptr);
       }
     }
   });
