@@ -12,6 +12,7 @@ import functools
 import hashlib
 import os
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 
 ENABLED = os.environ.get("MEDUSA_HEADS_STREAM_KERNEL", "1") != "0"
 SOURCE = Path(__file__).parent / "csrc" / "stream_linear.cpp"
+STALE_LOCK_SECONDS = 600  # a build lock this old is a killed build's, not a running one's
 
 
 @functools.cache
@@ -45,8 +47,11 @@ def kernel() -> Callable | None:
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
     folder = root / name
     if not (folder / f"{name}.so").exists():
-        print("medusa-heads: compiling the stream kernel for this CPU (once, ~30 s)", file=sys.stderr, flush=True)
+        print("medusa-heads: compiling the stream kernel for this CPU (once, ~40 s)", file=sys.stderr, flush=True)
     folder.mkdir(parents=True, exist_ok=True)
+    lock = folder / "lock"  # torch's build lock: one left by a build killed midway would make every load wait
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+        lock.unlink(missing_ok=True)
     scripts = str(Path(sys.executable).parent)  # where pip put ninja, if the environment is not activated
     if scripts not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")

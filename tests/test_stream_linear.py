@@ -64,3 +64,22 @@ def test_the_probe_times_the_route_and_leaves_it_out_where_it_cannot_be_built(mo
     monkeypatch.setattr(module, "kernel", lambda: None)  # as on a machine without a compiler
     routes = speed.probe_routes(model, widths=(1, 4), rounds=1)
     assert set(routes.times["torch.float32"]) == {"aten", "packed"}
+
+
+def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load():
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from medusa_heads import stream_linear as module
+
+    module.kernel()  # built (or loaded) here first
+    root = os.environ.get("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/torch_extensions"))
+    lock = os.path.join(root, f"medusa_heads_stream_linear_{module.build_key()}", "lock")
+    open(lock, "w").close()
+    old = time.time() - 2 * module.STALE_LOCK_SECONDS
+    os.utime(lock, (old, old))
+    load = "from medusa_heads.stream_linear import kernel; assert kernel() is not None"
+    subprocess.run([sys.executable, "-c", load], check=True, timeout=120)  # torch alone would wait forever
+    assert not os.path.exists(lock)
