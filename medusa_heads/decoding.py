@@ -34,3 +34,7 @@ class Decoding(Sampling):
     @property
     def sampling(self) -> Sampling:
         return Sampling(**{f.name: getattr(self, f.name) for f in fields(Sampling)})
+
+    def request_settings(self) -> dict:
+        """What a `decoder.Request` takes of these settings (the tree and adapt are the Decoder's)."""
+        return {"max_new_tokens": self.max_new_tokens, "sampling": self.sampling, "stop": self.stop, "seed": self.seed}

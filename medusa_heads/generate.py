@@ -84,9 +84,7 @@ def make_decoder(model, input_ids: torch.Tensor, decoding: Decoding, attention_m
                  eos_token_id: int | list[int] | None = None) -> Decoder:
     """A Decoder holding one request per row of input_ids (B, T), decoded as `decoding` says."""
     decoder = Decoder(model, resolve_tree(model, decoding.tree), decoding.adapt)
-    decoder.add(Request.batch(input_ids, attention_mask, max_new_tokens=decoding.max_new_tokens,
-                              sampling=decoding.sampling, stop=decoding.stop, eos_token_id=eos_token_id,
-                              seed=decoding.seed))
+    decoder.add(Request.batch(input_ids, attention_mask, eos_token_id=eos_token_id, **decoding.request_settings()))
     return decoder
 
 

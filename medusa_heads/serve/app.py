@@ -134,9 +134,7 @@ def create_app(model, max_concurrency: int = 4, max_queue: int = 64, max_new_tok
             raise APIError(400, f"the prompt ({prompt} tokens) plus max_tokens ({max_tokens}) exceeds the "
                                 f"context of {context} tokens", param="messages" if chat else "prompt",
                            code="context_length_exceeded")
-        d = body.decoding(max_tokens)
-        job = Job(decoder.Request(ids[0], d.max_new_tokens, d.sampling, d.stop, seed=d.seed),
-                  asyncio.get_running_loop())
+        job = Job(decoder.Request(ids[0], **body.decoding(max_tokens).request_settings()), asyncio.get_running_loop())
         try:
             engine.submit(job)
         except Busy:

@@ -54,11 +54,6 @@ class SamplingFields(BaseModel):
         return Decoding(acceptance, self.temperature, self.top_p, max_new_tokens=max_new_tokens, stop=self.stop,
                         seed=self.seed)
 
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, value):
-        return [value] if isinstance(value, str) else (value or [])
-
     @field_validator("n")
     @classmethod
     def _one_choice(cls, value):
