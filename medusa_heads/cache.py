@@ -71,7 +71,11 @@ class TreeCache(Cache):
         # keys[rows, :, slots] has shape (B, q, kv_heads, head_dim)
         keys[rows, :, slots] = key_states.transpose(1, 2)
         values[rows, :, slots] = value_states.transpose(1, 2)
-        span = self.visible
+        return self.read(layer_idx)
+
+    def read(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values (B, kv_heads, visible, head_dim) of one layer that this pass attends to."""
+        keys, values, span = self.keys[layer_idx], self.values[layer_idx], self.visible
         if self.subset is not None:
             return keys[self.subset, :, :span], values[self.subset, :, :span]
         return keys[:, :, :span], values[:, :, :span]

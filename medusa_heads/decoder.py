@@ -21,7 +21,7 @@ from dataclasses import astuple, dataclass, field
 
 import torch
 
-from . import adapter, adaptive, eagle, lookup, speed
+from . import adapter, adaptive, eagle, lean, lookup, speed
 from .acceptance import Sampling, accept, choose
 from .cache import TreeCache
 from .decoding import Decoding
@@ -126,6 +126,7 @@ class Decoder:
         model.install_speed_levers()
         tuned = tuning(model)
         self.routes = tuned.routes if tuned else None  # the kernel route of each product, as probed here
+        self.lean = lean.supports(model.base_model)  # the decoder's passes run as `medusa_heads.lean`'s functions
         self.drafting = eagle.Drafting(model.heads, tree) if isinstance(tree, DynamicTree) else None
         self.full = None if self.drafting else _Buffers(tree, self.device)
         # the root and the lookup branch alone: the steps whose rows' heads do not pay
@@ -348,7 +349,10 @@ class Decoder:
         cache.prepare(ids.shape[1], visible, rows)
         base = self.model.base_model
         mask = adapter.attention_mask(base.config, allowed, positions, base.dtype)
-        body = (compiled and self.model.compiled_decoder) or adapter.decoder(base)
+        compiled = compiled and self.model.compiled_decoder
+        if self.lean and not compiled:
+            return lean.forward(adapter.decoder(base), ids, mask, positions, cache)
+        body = compiled or adapter.decoder(base)
         out = body(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
         return out.last_hidden_state
 

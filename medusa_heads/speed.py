@@ -8,7 +8,7 @@ flat in the rows and aten grows fast (SmolLM2-135M's 210 linear layers with cold
 -> 21 ms, 16 rows 76 -> 27 ms); on a 2-core Sapphire Rapids aten wins at one row. So
 `probe_routes` times both on the model's own layers, per row count, and the decoding step takes the
 faster (`Routes`, chosen per machine by `medusa_heads.tuning`). A third route, "stream"
-(`medusa_heads.stream_linear`, compiled on first use), reads each weight row once for all rows: on a
+(`medusa_heads.kernels`, compiled on first use), reads each weight row once for all rows: on a
 2-core AMD EPYC it takes SmolLM2-135M's products at 1 row in ~27-34 ms against packed's ~40-52, and
 wins up to ~16 rows; the probe takes it where it measures faster. Without a probe, float32 takes the
 packed route and bfloat16 aten. Each packed weight is a second copy of the weight, made at its first
@@ -60,8 +60,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .stream_linear import ENABLED as stream_linear_enabled
-from .stream_linear import build_key, stream_linear
+from . import kernels, lean
+from .kernels import stream_linear
 
 ENABLED = os.environ.get("MEDUSA_HEADS_PACKED_WEIGHTS", "1") != "0" and torch.backends.mkldnn.is_available()
 FUSED = os.environ.get("MEDUSA_HEADS_FUSED_LINEARS", "1") != "0"
@@ -166,7 +166,7 @@ class RoutedLinear(nn.Linear):
 def levers() -> list[str]:
     """The speed levers switched on (they change what a step costs)."""
     on = {"packed": ENABLED, "fused": ENABLED and FUSED, "grouped-attention": GROUPED_ATTENTION,
-          f"stream-{build_key()}": ENABLED and stream_linear_enabled}
+          f"kernels-{kernels.build_key()}": kernels.ENABLED, "lean": lean.ENABLED}
     return [name for name, enabled in on.items() if enabled]
 
 

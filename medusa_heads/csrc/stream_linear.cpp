@@ -1,9 +1,10 @@
 // y = x W^T + b in float32 for a few rows of x: each row of W is read once from memory for all of them, so a
 // decoding step's products run at the memory's speed (oneDNN and MKL reorder or block for larger products).
-// Built for the CPU at hand (-march=native) by medusa_heads/stream_linear.py; needs AVX2 and FMA.
-#include <torch/extension.h>
+// Built for the CPU at hand (-march=native) by medusa_heads/kernels.py; needs AVX2 and FMA.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include "kernels.h"
 
 namespace {
 
@@ -52,7 +53,9 @@ void dot_rows(const float* w, const float* x, int64_t rows, int64_t K, float* y,
   }
 }
 
-torch::Tensor stream_linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+}  // namespace
+
+torch::Tensor medusa_heads::stream_linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32, "stream_linear: x must be float32 on the CPU");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32 && weight.is_contiguous(),
               "stream_linear: weight must be a contiguous float32 matrix");
@@ -88,8 +91,3 @@ torch::Tensor stream_linear(const torch::Tensor& x, const torch::Tensor& weight,
   return out.reshape(shape);
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("stream_linear", &stream_linear, "x W^T + b, each row of W read once for all rows of x (float32, CPU)");
-}

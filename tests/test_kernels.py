@@ -1,5 +1,6 @@
-"""The stream kernel route: its products equal F.linear's, and greedy decoding with every product on it equals
-transformers' (where a C++ compiler and an AVX2/FMA CPU are there to build it; elsewhere the route is left out)."""
+"""The C++ kernels (where a C++ compiler and an AVX2/FMA CPU are there to build them; elsewhere they are left out):
+the stream route's products equal F.linear's, the lean decoder's fused operations equal transformers' own, and
+greedy decoding with every product on the stream route and the fused operations equals transformers'."""
 
 import platform
 import shutil
@@ -7,15 +8,17 @@ import shutil
 import pytest
 import torch
 from conftest import ARCHS, hf_greedy, randomize_heads
+from test_lean import FAMILIES, passes, transformers_forward
 from tiny import tiny_model
 from torch.nn import functional as F
 
-from medusa_heads import MedusaModel, speed
-from medusa_heads.stream_linear import stream_linear
+from medusa_heads import MedusaModel, kernels, lean, speed
+from medusa_heads.cache import TreeCache
+from medusa_heads.kernels import stream_linear
 from medusa_heads.tuning import cpu_info
 
 BUILDABLE = shutil.which("c++") is not None and platform.machine() == "x86_64" and {"avx2", "fma"} <= cpu_info()[1]
-pytestmark = pytest.mark.skipif(not BUILDABLE, reason="the stream kernel needs a C++ compiler and an AVX2/FMA CPU")
+pytestmark = pytest.mark.skipif(not BUILDABLE, reason="the kernels need a C++ compiler and an AVX2/FMA CPU")
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16])
@@ -42,7 +45,7 @@ def test_refuses_what_it_does_not_compute():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_with_every_product_on_the_stream_route_equals_transformers(arch, monkeypatch):
+def test_greedy_with_every_product_on_the_stream_route_and_fused_operations_equals_transformers(arch, monkeypatch):
     model = randomize_heads(MedusaModel.from_pretrained(tiny_model(arch, dtype=torch.float32), num_heads=3))
     used = []
     real = speed.ROUTES["stream"]
@@ -56,12 +59,10 @@ def test_greedy_with_every_product_on_the_stream_route_equals_transformers(arch,
 
 
 def test_the_probe_times_the_route_and_leaves_it_out_where_it_cannot_be_built(monkeypatch):
-    from medusa_heads import stream_linear as module
-
     model = MedusaModel.from_pretrained(tiny_model("llama", dtype=torch.float32), num_heads=2)
     speed.install(model)
     assert "stream" in speed.probe_routes(model, widths=(1, 4), rounds=1).times["torch.float32"]
-    monkeypatch.setattr(module, "kernel", lambda: None)  # as on a machine without a compiler
+    monkeypatch.setattr(kernels, "load", lambda: None)  # as on a machine without a compiler
     routes = speed.probe_routes(model, widths=(1, 4), rounds=1)
     assert set(routes.times["torch.float32"]) == {"aten", "packed"}
 
@@ -72,14 +73,49 @@ def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load():
     import sys
     import time
 
-    from medusa_heads import stream_linear as module
-
-    module.kernel()  # built (or loaded) here first
+    kernels.load()  # built (or loaded) here first
     root = os.environ.get("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/torch_extensions"))
-    lock = os.path.join(root, f"medusa_heads_stream_linear_{module.build_key()}", "lock")
+    lock = os.path.join(root, f"medusa_heads_kernels_{kernels.build_key()}", "lock")
     open(lock, "w").close()
-    old = time.time() - 2 * module.STALE_LOCK_SECONDS
+    old = time.time() - 2 * kernels.STALE_LOCK_SECONDS
     os.utime(lock, (old, old))
-    load = "from medusa_heads.stream_linear import kernel; assert kernel() is not None"
+    load = "from medusa_heads.kernels import load; assert load() is not None"
     subprocess.run([sys.executable, "-c", load], check=True, timeout=120)  # torch alone would wait forever
     assert not os.path.exists(lock)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_lean_decoder_with_fused_operations_equals_transformers_modules(arch):
+    base = tiny_model(arch, dtype=torch.float32)
+    (ours, our_cache), (theirs, their_cache) = passes(base, lean.forward), passes(base, transformers_forward)
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(our_cache.keys, their_cache.keys, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_operations_equal_the_unfused_ones(monkeypatch):
+    generator = torch.Generator().manual_seed(0)
+    norm = torch.nn.RMSNorm(40, eps=1e-6)
+    norm.variance_epsilon = norm.eps
+    with torch.no_grad():
+        norm.weight.normal_(generator=generator)
+    fused = torch.randn(3, 5, 3 * 40, generator=generator)  # fused q/k/v or gate/up outputs: strided views
+    a, b, c = fused.split(40, dim=-1)
+    cos, sin = torch.randn(2, 3, 8, generator=generator).unbind(0)  # per row
+
+    def everything():
+        hidden = torch.randn(3, 5, 40, generator=torch.Generator().manual_seed(1))
+        cache = TreeCache(1, 4, 9, torch.device("cpu"))
+        cache.lengths += torch.tensor([0, 2, 4, 1])
+        cache.prepare(5, 9, rows=torch.tensor([3, 0, 2]))  # a prefill of 3 of the 4 rows
+        # 5 query heads and 2 key/value heads of 8; cos / sin broadcast over the tokens (stride 0)
+        query, keys, values = lean.rotary_write(a, b[..., :16], c[..., :16], cos[:, None].expand(3, 5, 8),
+                                                sin[:, None].expand(3, 5, 8), cache, 0)
+        return lean.rms_norm(hidden, norm, a.contiguous()), hidden, lean.silu_mul(a, b), query, keys, values, cache.keys
+
+    with torch.no_grad():
+        ours = everything()
+        monkeypatch.setattr(kernels, "load", lambda: None)  # transformers' own operations
+        theirs = everything()
+    for x, y in zip(ours, theirs, strict=True):
+        assert torch.allclose(x, y, rtol=1e-5, atol=1e-6)
