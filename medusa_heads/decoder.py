@@ -126,7 +126,8 @@ class Decoder:
         model.install_speed_levers()
         tuned = tuning(model)
         self.routes = tuned.routes if tuned else None  # the kernel route of each product, as probed here
-        self.lean = lean.supports(model.base_model)  # the decoder's passes run as `medusa_heads.lean`'s functions
+        # the decoder's passes as `medusa_heads.lean`'s functions, where they run this model
+        self.lean = lean.Plan(adapter.decoder(model.base_model)) if lean.supports(model.base_model) else None
         self.drafting = eagle.Drafting(model.heads, tree) if isinstance(tree, DynamicTree) else None
         self.full = None if self.drafting else _Buffers(tree, self.device)
         # the root and the lookup branch alone: the steps whose rows' heads do not pay
@@ -351,7 +352,7 @@ class Decoder:
         mask = adapter.attention_mask(base.config, allowed, positions, base.dtype)
         compiled = compiled and self.model.compiled_decoder
         if self.lean and not compiled:
-            return lean.forward(adapter.decoder(base), ids, mask, positions, cache)
+            return self.lean.forward(ids, mask, positions, cache)
         body = compiled or adapter.decoder(base)
         out = body(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
         return out.last_hidden_state

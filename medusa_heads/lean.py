@@ -19,11 +19,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from . import kernels
+from . import kernels, speed
 from .cache import TreeCache
 
 ENABLED = os.environ.get("MEDUSA_HEADS_LEAN_DECODER", "1") != "0"
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+Attended = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # queries, keys, values of an attention
 
 
 def supports(base: nn.Module) -> bool:
@@ -33,60 +34,91 @@ def supports(base: nn.Module) -> bool:
             and config._attn_implementation == "sdpa")
 
 
-def forward(body: nn.Module, ids: torch.Tensor, mask: torch.Tensor | dict[str, torch.Tensor],
-            positions: torch.Tensor, cache: TreeCache) -> torch.Tensor:
-    """body's last hidden states (B, n, H) for ids (B, n) at positions, writing their keys and values into the
-    cache as `cache.prepare` set; mask: `adapter.attention_mask`'s, one per layer type or one for all."""
-    hidden = body.embed_tokens(ids)
-    cos, sin = body.rotary_emb(hidden, position_ids=positions)
-    layer_types = getattr(body.config, "layer_types", None)
-    delta = None  # the last layer's MLP output, added to hidden by the next norm
-    for i, layer in enumerate(body.layers):
-        attention, mlp = layer.self_attn, layer.mlp
-        x = rms_norm(hidden, layer.input_layernorm, delta)
-        query, key = attention.q_proj(x), attention.k_proj(x)
-        if hasattr(attention, "q_norm"):  # Qwen3: a norm per head before the rotary embedding
-            query = attention.q_norm(query.unflatten(-1, (-1, attention.head_dim))).flatten(-2)
-            key = attention.k_norm(key.unflatten(-1, (-1, attention.head_dim))).flatten(-2)
-        query, keys, values = rotary_write(query, key, attention.v_proj(x), cos, sin, cache, i)
-        layer_mask = mask[layer_types[i]] if isinstance(mask, dict) else mask
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=layer_mask, scale=attention.scaling,
-                                             enable_gqa=True)
-        out = attention.o_proj(out.transpose(1, 2).flatten(-2))
-        x = rms_norm(hidden, layer.post_attention_layernorm, out)
-        delta = mlp.down_proj(silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
-    return rms_norm(hidden, body.norm, delta)
+class Plan:
+    """A model's decoder as the lean functions read it: per layer its norms, its attention and the weights of its
+    products, the fused ones (`speed.Siblings`: q/k/v, gate/up) as one. Its products call the kernel route of
+    the step directly (through the modules they cost ~7 ms a step more on SmolLM2-135M). Made per `Decoder`: a
+    change to the weights after it is not seen."""
+
+    def __init__(self, body: nn.Module):
+        self.body = body
+        self.layer_types = getattr(body.config, "layer_types", None)
+        self.layers = [(layer.input_layernorm, layer.self_attn, Products(layer.self_attn, "q_proj", "k_proj", "v_proj"),
+                        Products(layer.self_attn, "o_proj"), layer.post_attention_layernorm,
+                        Products(layer.mlp, "gate_proj", "up_proj"), Products(layer.mlp, "down_proj"))
+                       for layer in body.layers]
+        weight = body.embed_tokens.weight
+        fused = weight.dtype == torch.float32 and weight.device.type == "cpu" and kernels.load() is not None
+        self.ops = FusedOps(kernels.load()) if fused else TorchOps
+        self.routed = all(type(module) is speed.RoutedLinear for module in body.layers.modules()
+                          if isinstance(module, nn.Linear))
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor | dict[str, torch.Tensor], positions: torch.Tensor,
+                cache: TreeCache) -> torch.Tensor:
+        """The last hidden states (B, n, H) for ids (B, n) at positions, writing their keys and values into the
+        cache as `cache.prepare` set; mask: `adapter.attention_mask`'s, one per layer type or one for all."""
+        hidden = self.body.embed_tokens(ids)
+        cos, sin = self.body.rotary_emb(hidden, position_ids=positions)
+        linear = speed.step_route(ids.numel(), hidden.dtype) if self.routed else F.linear
+        ops, delta = self.ops, None  # delta: the last layer's MLP output, added to hidden by the next norm
+        for i, (norm, attention, qkv, o, post_norm, gate_up, down) in enumerate(self.layers):
+            x = ops.rms_norm(hidden, norm, delta)
+            query, key, value = qkv(x, linear)
+            if hasattr(attention, "q_norm"):  # Qwen3: a norm per head before the rotary embedding
+                query = attention.q_norm(query.unflatten(-1, (-1, attention.head_dim))).flatten(-2)
+                key = attention.k_norm(key.unflatten(-1, (-1, attention.head_dim))).flatten(-2)
+            query, keys, values = ops.rotary_write(query, key, value, cos, sin, cache, i)
+            layer_mask = mask[self.layer_types[i]] if isinstance(mask, dict) else mask
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=layer_mask, scale=attention.scaling,
+                                                 enable_gqa=True)
+            (out,) = o(out.transpose(1, 2).flatten(-2), linear)
+            x = ops.rms_norm(hidden, post_norm, out)
+            (delta,) = down(ops.silu_mul(*gate_up(x, linear)), linear)
+        return ops.rms_norm(hidden, self.body.norm, delta)
 
 
-def _fused(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors) and kernels.load() is not None
+class Products:
+    """The products of a module's linear layers that read one input: one over their weights concatenated where
+    `speed.install` fused them, else one each; called, their outputs in order."""
+
+    def __init__(self, module: nn.Module, *names: str):
+        layers = [getattr(module, name) for name in names]
+        group = getattr(layers[0], "siblings", None)
+        if len(layers) > 1 and speed.FUSED and group is not None and group.layers == layers:
+            self.weights, self.sizes = [group.fused()], group.sizes
+        else:
+            self.weights, self.sizes = [(layer.weight, layer.bias) for layer in layers], None
+
+    def __call__(self, x: torch.Tensor, linear) -> list[torch.Tensor]:
+        if self.sizes is not None:
+            return linear(x, *self.weights[0]).split(self.sizes, dim=-1)
+        return [linear(x, weight, bias) for weight, bias in self.weights]
 
 
-def rms_norm(hidden: torch.Tensor, norm: nn.Module, delta: torch.Tensor | None = None) -> torch.Tensor:
-    """hidden += delta (in place: the residual stream), then the norm of hidden."""
-    if _fused(hidden, norm.weight) and hidden.is_contiguous() and (delta is None or delta.is_contiguous()):
-        return kernels.load().rms_norm(hidden, norm.weight, norm.variance_epsilon, delta)
-    if delta is not None:
-        hidden += delta
-    return norm(hidden)
+class TorchOps:
+    """The small operations of a layer as transformers' modeling code runs them (any dtype and device)."""
 
+    @staticmethod
+    def rms_norm(hidden: torch.Tensor, norm: nn.Module, delta: torch.Tensor | None) -> torch.Tensor:
+        """hidden += delta (in place: the residual stream), then the norm of hidden."""
+        if delta is not None:
+            hidden += delta
+        return norm(hidden)
 
-def rotary_write(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 cache: TreeCache, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Queries and keys (B, n, heads * D) rotated by cos / sin (B, n, D); the keys and values (B, n, kv_heads * D)
-    written into the cache's layer; the queries (B, heads, n, D) with the keys and values the pass attends to."""
-    head_dim = cos.shape[-1]
-    if cache.keys is None:  # the first pass: the cache takes its shapes from the keys and values
-        cache.allocate(*(t.unflatten(-1, (-1, head_dim)).transpose(1, 2) for t in (key, value)))
-    if _fused(query, key, value, cos, cache.keys):
-        rows, slots = cache.write_index
-        query = kernels.load().rotary_write(query, key, value, cos, sin, cache.keys[layer], cache.values[layer],
-                                       rows[:, 0], slots)
-        return query, *cache.read(layer)
-    query, key, value = (t.unflatten(-1, (-1, head_dim)).transpose(1, 2) for t in (query, key, value))
-    cos, sin = cos[:, None], sin[:, None]
-    query, key = query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
-    return query, *cache.update(key, value, layer)
+    @staticmethod
+    def rotary_write(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, cache: TreeCache, layer: int) -> Attended:
+        """Queries and keys (B, n, heads * D) rotated by cos / sin (B, n, D); the keys and values (B, n,
+        kv_heads * D) written into the cache's layer; the queries (B, heads, n, D) with the keys and values the
+        pass attends to."""
+        query, key, value = (t.unflatten(-1, (-1, cos.shape[-1])).transpose(1, 2) for t in (query, key, value))
+        cos, sin = cos[:, None], sin[:, None]
+        query, key = query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+        return query, *cache.update(key, value, layer)
+
+    @staticmethod
+    def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -94,8 +126,23 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up."""
-    if _fused(gate, up) and gate.dim() == 3:
-        return kernels.load().silu_mul(gate, up)
-    return F.silu(gate) * up
+class FusedOps:
+    """The same, each one C++ operation (`csrc/decoder_ops.cpp`: float32 on a CPU, contiguous rows)."""
+
+    def __init__(self, module):
+        self.kernels = module
+
+    def rms_norm(self, hidden: torch.Tensor, norm: nn.Module, delta: torch.Tensor | None) -> torch.Tensor:
+        return self.kernels.rms_norm(hidden, norm.weight, norm.variance_epsilon, delta)
+
+    def rotary_write(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, cache: TreeCache, layer: int) -> Attended:
+        if cache.keys is None:  # a first pass: the cache takes its shapes from the keys and values
+            cache.allocate(*(t.unflatten(-1, (-1, cos.shape[-1])).transpose(1, 2) for t in (key, value)))
+        rows, slots = cache.write_index
+        query = self.kernels.rotary_write(query, key, value, cos, sin, cache.keys[layer], cache.values[layer],
+                                          rows[:, 0], slots)
+        return query, *cache.read(layer)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.kernels.silu_mul(gate, up)

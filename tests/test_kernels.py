@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 from conftest import ARCHS, hf_greedy, randomize_heads
-from test_lean import FAMILIES, passes, transformers_forward
+from test_lean import FAMILIES, lean_forward, passes, transformers_forward
 from tiny import tiny_model
 from torch.nn import functional as F
 
@@ -87,13 +87,13 @@ def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load():
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_lean_decoder_with_fused_operations_equals_transformers_modules(arch):
     base = tiny_model(arch, dtype=torch.float32)
-    (ours, our_cache), (theirs, their_cache) = passes(base, lean.forward), passes(base, transformers_forward)
+    (ours, our_cache), (theirs, their_cache) = passes(base, lean_forward), passes(base, transformers_forward)
     for a, b in zip(ours, theirs, strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
     assert torch.allclose(our_cache.keys, their_cache.keys, rtol=1e-5, atol=1e-5)
 
 
-def test_fused_operations_equal_the_unfused_ones(monkeypatch):
+def test_fused_operations_equal_the_unfused_ones():
     generator = torch.Generator().manual_seed(0)
     norm = torch.nn.RMSNorm(40, eps=1e-6)
     norm.variance_epsilon = norm.eps
@@ -103,19 +103,17 @@ def test_fused_operations_equal_the_unfused_ones(monkeypatch):
     a, b, c = fused.split(40, dim=-1)
     cos, sin = torch.randn(2, 3, 8, generator=generator).unbind(0)  # per row
 
-    def everything():
+    def everything(ops):
         hidden = torch.randn(3, 5, 40, generator=torch.Generator().manual_seed(1))
         cache = TreeCache(1, 4, 9, torch.device("cpu"))
         cache.lengths += torch.tensor([0, 2, 4, 1])
         cache.prepare(5, 9, rows=torch.tensor([3, 0, 2]))  # a prefill of 3 of the 4 rows
         # 5 query heads and 2 key/value heads of 8; cos / sin broadcast over the tokens (stride 0)
-        query, keys, values = lean.rotary_write(a, b[..., :16], c[..., :16], cos[:, None].expand(3, 5, 8),
-                                                sin[:, None].expand(3, 5, 8), cache, 0)
-        return lean.rms_norm(hidden, norm, a.contiguous()), hidden, lean.silu_mul(a, b), query, keys, values, cache.keys
+        query, keys, values = ops.rotary_write(a, b[..., :16], c[..., :16], cos[:, None].expand(3, 5, 8),
+                                               sin[:, None].expand(3, 5, 8), cache, 0)
+        normed = ops.rms_norm(hidden, norm, a.contiguous())
+        return normed, hidden, ops.rms_norm(hidden, norm, None), ops.silu_mul(a, b), query, keys, values, cache.keys
 
     with torch.no_grad():
-        ours = everything()
-        monkeypatch.setattr(kernels, "load", lambda: None)  # transformers' own operations
-        theirs = everything()
-    for x, y in zip(ours, theirs, strict=True):
-        assert torch.allclose(x, y, rtol=1e-5, atol=1e-6)
+        for ours, theirs in zip(everything(lean.FusedOps(kernels.load())), everything(lean.TorchOps), strict=True):
+            assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6)
