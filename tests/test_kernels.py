@@ -93,24 +93,25 @@ def test_lean_decoder_with_fused_operations_equals_transformers_modules(arch):
     assert torch.allclose(our_cache.keys, their_cache.keys, rtol=1e-5, atol=1e-5)
 
 
-def test_fused_operations_equal_the_unfused_ones():
+@pytest.mark.parametrize("tokens", [5, 300])  # a decoding pass (one thread), a prefill (threads, torch's silu)
+def test_fused_operations_equal_the_unfused_ones(tokens):
     generator = torch.Generator().manual_seed(0)
     norm = torch.nn.RMSNorm(40, eps=1e-6)
     norm.variance_epsilon = norm.eps
     with torch.no_grad():
         norm.weight.normal_(generator=generator)
-    fused = torch.randn(3, 5, 3 * 40, generator=generator)  # fused q/k/v or gate/up outputs: strided views
+    fused = torch.randn(3, tokens, 3 * 40, generator=generator)  # fused q/k/v or gate/up outputs: strided views
     a, b, c = fused.split(40, dim=-1)
     cos, sin = torch.randn(2, 3, 8, generator=generator).unbind(0)  # per row
 
     def everything(ops):
-        hidden = torch.randn(3, 5, 40, generator=torch.Generator().manual_seed(1))
-        cache = TreeCache(1, 4, 9, torch.device("cpu"))
+        hidden = torch.randn(3, tokens, 40, generator=torch.Generator().manual_seed(1))
+        cache = TreeCache(1, 4, tokens + 4, torch.device("cpu"))
         cache.lengths += torch.tensor([0, 2, 4, 1])
-        cache.prepare(5, 9, rows=torch.tensor([3, 0, 2]))  # a prefill of 3 of the 4 rows
+        cache.prepare(tokens, tokens + 4, rows=torch.tensor([3, 0, 2]))  # a prefill of 3 of the 4 rows
         # 5 query heads and 2 key/value heads of 8; cos / sin broadcast over the tokens (stride 0)
-        query, keys, values = ops.rotary_write(a, b[..., :16], c[..., :16], cos[:, None].expand(3, 5, 8),
-                                               sin[:, None].expand(3, 5, 8), cache, 0)
+        query, keys, values = ops.rotary_write(a, b[..., :16], c[..., :16], cos[:, None].expand(3, tokens, 8),
+                                               sin[:, None].expand(3, tokens, 8), cache, 0)
         normed = ops.rms_norm(hidden, norm, a.contiguous())
         return normed, hidden, ops.rms_norm(hidden, norm, None), ops.silu_mul(a, b), query, keys, values, cache.keys
 

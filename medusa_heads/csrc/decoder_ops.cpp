@@ -2,11 +2,15 @@
 // an RMS norm (with the residual add before it), the rotary embedding of queries and keys with the keys' and
 // values' write into the cache, and the gated activation. Eager mode runs each as 5-20 separate operations.
 // Built with -ffp-contract=off: the products and sums round as in transformers' own modeling code.
+#include <ATen/Parallel.h>
+
 #include <cmath>
 
 #include "kernels.h"
 
 namespace {
+
+constexpr int64_t kGrain = 1 << 15;  // elements a thread takes at least: a decoding pass's run on one thread
 
 void check_float_cpu(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name, " must be float32 on the CPU");
@@ -36,15 +40,17 @@ torch::Tensor rms_norm(torch::Tensor& hidden, const torch::Tensor& weight, doubl
   }
   auto out = torch::empty_like(hidden);
   float* y = out.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    float* row = h + m * K;
-    if (d)
-      for (int64_t k = 0; k < K; ++k) row[k] = row[k] + d[m * K + k];
-    double squares = 0;
-    for (int64_t k = 0; k < K; ++k) squares += double(row[k]) * row[k];
-    const float scale = 1.0f / std::sqrt(float(squares / K) + float(eps));
-    for (int64_t k = 0; k < K; ++k) y[m * K + k] = w[k] * (row[k] * scale);
-  }
+  at::parallel_for(0, M, std::max<int64_t>(1, kGrain / K), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      float* row = h + m * K;
+      if (d)
+        for (int64_t k = 0; k < K; ++k) row[k] = row[k] + d[m * K + k];
+      double squares = 0;
+      for (int64_t k = 0; k < K; ++k) squares += double(row[k]) * row[k];
+      const float scale = 1.0f / std::sqrt(float(squares / K) + float(eps));
+      for (int64_t k = 0; k < K; ++k) y[m * K + k] = w[k] * (row[k] * scale);
+    }
+  });
   return out;
 }
 
@@ -75,11 +81,14 @@ torch::Tensor rotary_write(const torch::Tensor& query, const torch::Tensor& key,
     for (int64_t j = half; j < D; ++j) y[j] = x[j] * c[j] + x[j - half] * s[j];
   };
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t r = rows_[b];
-    TORCH_CHECK(r >= 0 && r < keys.size(0), "rotary_write: row out of range");
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t slot = slots_[b][i];
-      TORCH_CHECK(slot >= 0 && slot < S, "rotary_write: slot out of range");
+    TORCH_CHECK(rows_[b] >= 0 && rows_[b] < keys.size(0), "rotary_write: row out of range");
+    for (int64_t i = 0; i < n; ++i)
+      TORCH_CHECK(slots_[b][i] >= 0 && slots_[b][i] < S, "rotary_write: slot out of range");
+  }
+  const int64_t grain = std::max<int64_t>(1, kGrain / ((heads + 2 * kv_heads) * D));
+  at::parallel_for(0, B * n, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / n, i = t % n, r = rows_[b], slot = slots_[b][i];
       const float* c = cos.data_ptr<float>() + b * cos.stride(0) + i * cos.stride(1);
       const float* s = sin.data_ptr<float>() + b * sin.stride(0) + i * sin.stride(1);
       const float* q = query.data_ptr<float>() + b * query.stride(0) + i * query.stride(1);
@@ -92,7 +101,7 @@ torch::Tensor rotary_write(const torch::Tensor& query, const torch::Tensor& key,
         for (int64_t j = 0; j < D; ++j) v_cache[at + j] = v[h * D + j];
       }
     }
-  }
+  });
   return out;
 }
 
@@ -101,6 +110,7 @@ torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
   check_float_cpu(gate, "gate");
   check_float_cpu(up, "up");
   TORCH_CHECK(gate.sizes() == up.sizes() && gate.dim() == 3, "silu_mul: gate and up must be (B, n, I) alike");
+  if (gate.numel() > kGrain) return at::silu(gate) * up;  // a prefill: torch's vectorized, threaded operations
   auto out = torch::empty(gate.sizes(), gate.options());
   const int64_t B = gate.size(0), n = gate.size(1), I = gate.size(2);
   float* y = out.data_ptr<float>();
