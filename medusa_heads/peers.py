@@ -36,8 +36,6 @@ def requantized(folder: str | Path, gguf: Path, variant: str) -> Path:
     """The GGUF as given ("gguf"), or requantized to F32 / BF16 once (cached)."""
     if variant == "gguf":
         return gguf
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown llama.cpp variant {variant!r}: use one of {', '.join(VARIANTS)}")
     target = cache_dir() / "llama-cpp" / f"{gguf.stem}.{variant}.gguf"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -52,6 +50,8 @@ class LlamaCpp:
     """One llama.cpp variant as a benchmark method: greedy answers and llama.cpp's own timings."""
 
     def __init__(self, folder: str | Path, gguf: str | Path, variant: str, tokenizer):
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown llama.cpp variant {variant!r}: use one of {', '.join(VARIANTS)}")
         self.program = binary(folder, "llama-completion")
         self.gguf = requantized(folder, Path(gguf), variant)
         self.tokenizer = tokenizer

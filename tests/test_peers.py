@@ -21,7 +21,7 @@ def test_a_llama_cpp_method_needs_its_binaries():
     with pytest.raises(FileNotFoundError, match="build-llama-cpp"):
         Method("llama.cpp:gguf", model, llama_cpp="/nonexistent", gguf="model.gguf")
     with pytest.raises(ValueError, match=r"unknown llama\.cpp variant"):
-        Method("llama.cpp:Q9", model, llama_cpp=PEER_DIR, gguf="model.gguf")
+        Method("llama.cpp:Q9", model, llama_cpp="/nonexistent", gguf="model.gguf")
 
 
 @pytest.mark.integration
