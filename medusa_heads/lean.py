@@ -3,12 +3,12 @@
 
 A decoding pass of a small model spends about as long in its layers' small operations (norms, rotary
 embeddings, cache writes, the activation: 5-20 torch operations each, and the modules' Python around them) as
-in its matrix products. Here each of those is one call: a fused C++ operation where the kernels are built
-(float32; `medusa_heads.kernels`), else transformers' own operations in the same order. The linear layers and
-the attention are the model's own modules and torch's sdpa, so the kernel routes of `medusa_heads.speed` apply.
-On a 2-core AMD EPYC, SmolLM2-135M's plain step takes 37.5 ms instead of 48.4, a 15-token tree step 46.7
-instead of 60.1. Hidden states equal transformers' up to the fused operations' rounding. Set
-MEDUSA_HEADS_LEAN_DECODER=0 to run transformers' modules.
+in its matrix products. Where the C++ kernels are built (float32; `medusa_heads.kernels`), a pass is one call
+that runs every layer with those operations fused; else the layers run here with transformers' own operations,
+in the same order. The products take the kernel routes of `medusa_heads.speed`, the attention is torch's sdpa.
+On a 2-core AMD EPYC, SmolLM2-135M's plain step took 37.5 ms instead of 48.4 (fused operations called from
+Python), a 15-token tree step 46.7 instead of 60.1. Hidden states equal transformers' up to the fused
+operations' rounding. Set MEDUSA_HEADS_LEAN_DECODER=0 to run transformers' modules.
 """
 
 from __future__ import annotations
@@ -37,8 +37,10 @@ def supports(base: nn.Module) -> bool:
 class Plan:
     """A model's decoder as the lean functions read it: per layer its norms, its attention and the weights of its
     products, the fused ones (`speed.Siblings`: q/k/v, gate/up) as one. Its products call the kernel route of
-    the step directly (through the modules they cost ~7 ms a step more on SmolLM2-135M). Made per `Decoder`: a
-    change to the weights after it is not seen."""
+    the step directly (through the modules they cost ~7 ms a step more on SmolLM2-135M). Where the kernels are
+    built (float32), the whole pass is one C++ call (`csrc/decoder_layers.cpp`; the loop over layers in Python
+    costs ~1.5 ms a step more on SmolLM2-135M); else the layers run here, with transformers' own operations.
+    Made per `Decoder`: a change to the weights after it is not seen."""
 
     def __init__(self, body: nn.Module):
         self.body = body
@@ -47,11 +49,9 @@ class Plan:
                         Products(layer.self_attn, "o_proj"), layer.post_attention_layernorm,
                         Products(layer.mlp, "gate_proj", "up_proj"), Products(layer.mlp, "down_proj"))
                        for layer in body.layers]
-        weight = body.embed_tokens.weight
-        fused = weight.dtype == torch.float32 and weight.device.type == "cpu" and kernels.load() is not None
-        self.ops = FusedOps(kernels.load()) if fused else TorchOps
         self.routed = all(type(module) is speed.RoutedLinear for module in body.layers.modules()
                           if isinstance(module, nn.Linear))
+        self.native = Native(self) if Native.runs(self) else None
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor | dict[str, torch.Tensor], positions: torch.Tensor,
                 cache: TreeCache) -> torch.Tensor:
@@ -59,22 +59,25 @@ class Plan:
         cache as `cache.prepare` set; mask: `adapter.attention_mask`'s, one per layer type or one for all."""
         hidden = self.body.embed_tokens(ids)
         cos, sin = self.body.rotary_emb(hidden, position_ids=positions)
-        linear = speed.step_route(ids.numel(), hidden.dtype) if self.routed else F.linear
-        ops, delta = self.ops, None  # delta: the last layer's MLP output, added to hidden by the next norm
-        for i, (norm, attention, qkv, o, post_norm, gate_up, down) in enumerate(self.layers):
-            x = ops.rms_norm(hidden, norm, delta)
+        route = speed.step_route(ids.numel(), hidden.dtype) if self.routed else "aten"
+        masks = [mask[kind] for kind in self.layer_types] if isinstance(mask, dict) else [mask] * len(self.layers)
+        if self.native:
+            return self.native.forward(hidden, cos, sin, route, masks, cache)
+        linear, delta = speed.ROUTES[route], None  # delta: the last layer's MLP output, added by the next norm
+        for i, ((norm, attention, qkv, o, post_norm, gate_up, down), layer_mask) in enumerate(zip(self.layers, masks)):
+            x = _rms_norm(hidden, norm, delta)
             query, key, value = qkv(x, linear)
             if hasattr(attention, "q_norm"):  # Qwen3: a norm per head before the rotary embedding
                 query = attention.q_norm(query.unflatten(-1, (-1, attention.head_dim))).flatten(-2)
                 key = attention.k_norm(key.unflatten(-1, (-1, attention.head_dim))).flatten(-2)
-            query, keys, values = ops.rotary_write(query, key, value, cos, sin, cache, i)
-            layer_mask = mask[self.layer_types[i]] if isinstance(mask, dict) else mask
+            query, keys, values = _rotary_write(query, key, value, cos, sin, cache, i)
             out = F.scaled_dot_product_attention(query, keys, values, attn_mask=layer_mask, scale=attention.scaling,
                                                  enable_gqa=True)
             (out,) = o(out.transpose(1, 2).flatten(-2), linear)
-            x = ops.rms_norm(hidden, post_norm, out)
-            (delta,) = down(ops.silu_mul(*gate_up(x, linear)), linear)
-        return ops.rms_norm(hidden, self.body.norm, delta)
+            x = _rms_norm(hidden, post_norm, out)
+            gate, up = gate_up(x, linear)
+            (delta,) = down(F.silu(gate) * up, linear)
+        return _rms_norm(hidden, self.body.norm, delta)
 
 
 class Products:
@@ -95,30 +98,21 @@ class Products:
         return [linear(x, weight, bias) for weight, bias in self.weights]
 
 
-class TorchOps:
-    """The small operations of a layer as transformers' modeling code runs them (any dtype and device)."""
+def _rms_norm(hidden: torch.Tensor, norm: nn.Module, delta: torch.Tensor | None) -> torch.Tensor:
+    """hidden += delta (in place: the residual stream), then the norm of hidden."""
+    if delta is not None:
+        hidden += delta
+    return norm(hidden)
 
-    @staticmethod
-    def rms_norm(hidden: torch.Tensor, norm: nn.Module, delta: torch.Tensor | None) -> torch.Tensor:
-        """hidden += delta (in place: the residual stream), then the norm of hidden."""
-        if delta is not None:
-            hidden += delta
-        return norm(hidden)
 
-    @staticmethod
-    def rotary_write(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor, cache: TreeCache, layer: int) -> Attended:
-        """Queries and keys (B, n, heads * D) rotated by cos / sin (B, n, D); the keys and values (B, n,
-        kv_heads * D) written into the cache's layer; the queries (B, heads, n, D) with the keys and values the
-        pass attends to."""
-        query, key, value = (t.unflatten(-1, (-1, cos.shape[-1])).transpose(1, 2) for t in (query, key, value))
-        cos, sin = cos[:, None], sin[:, None]
-        query, key = query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
-        return query, *cache.update(key, value, layer)
-
-    @staticmethod
-    def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return F.silu(gate) * up
+def _rotary_write(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  cache: TreeCache, layer: int) -> Attended:
+    """Queries and keys (B, n, heads * D) rotated by cos / sin (B, n, D); the keys and values (B, n, kv_heads * D)
+    written into the cache's layer; the queries (B, heads, n, D) with the keys and values the pass attends to."""
+    query, key, value = (t.unflatten(-1, (-1, cos.shape[-1])).transpose(1, 2) for t in (query, key, value))
+    cos, sin = cos[:, None], sin[:, None]
+    query, key = query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+    return query, *cache.update(key, value, layer)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -126,23 +120,57 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class FusedOps:
-    """The same, each one C++ operation (`csrc/decoder_ops.cpp`: float32 on a CPU, contiguous rows)."""
+class Native:
+    """A plan's pass as one call of the C++ kernels' `decoder_layers` (float32 on a CPU, where they are built):
+    the same operations in the same order, the small ones fused (`csrc/decoder_ops.cpp`)."""
 
-    def __init__(self, module):
-        self.kernels = module
+    ROUTES = {"aten": 0, "stream": 1, "packed": 2}  # the route numbers of csrc/decoder_layers.cpp
 
-    def rms_norm(self, hidden: torch.Tensor, norm: nn.Module, delta: torch.Tensor | None) -> torch.Tensor:
-        return self.kernels.rms_norm(hidden, norm.weight, norm.variance_epsilon, delta)
+    @staticmethod
+    def runs(plan: Plan) -> bool:
+        """Whether this plan's model can: float32 on a CPU with the kernels built, every norm with one epsilon,
+        every layer's products fused alike."""
+        weight = plan.body.embed_tokens.weight
+        if weight.dtype != torch.float32 or weight.device.type != "cpu" or kernels.load() is None:
+            return False
+        norms = [m for m in plan.body.modules() if hasattr(m, "variance_epsilon")]
+        fused = {(qkv.sizes is not None, gate_up.sizes is not None) for _, _, qkv, _, _, gate_up, _ in plan.layers}
+        return len({m.variance_epsilon for m in norms}) == 1 and len(fused) == 1
 
-    def rotary_write(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor, cache: TreeCache, layer: int) -> Attended:
-        if cache.keys is None:  # a first pass: the cache takes its shapes from the keys and values
-            cache.allocate(*(t.unflatten(-1, (-1, cos.shape[-1])).transpose(1, 2) for t in (key, value)))
+    def __init__(self, plan: Plan):
+        self.kernels = kernels.load()
+        first = plan.layers[0]
+        self.eps = first[0].variance_epsilon
+        self.scaling, self.head_dim = first[1].scaling, first[1].head_dim
+        self.kv_heads = plan.body.config.num_key_value_heads
+        self.qkv_fused, self.gate_up_fused = first[2].sizes is not None, first[5].sizes is not None
+        self.qkv_sizes = [getattr(first[1], n).out_features for n in ("q_proj", "k_proj", "v_proj")]
+        self.gate_up_sizes = [getattr(plan.body.layers[0].mlp, n).out_features for n in ("gate_proj", "up_proj")]
+        self.final_norm = plan.body.norm.weight
+        none = torch.empty(0)  # what the C++ call takes for a norm or a bias the model does not have
+
+        def products(group: Products) -> list[tuple[torch.Tensor, bool]]:
+            return [entry for w, b in group.weights for entry in ((w, True), (none if b is None else b, False))]
+
+        self.entries: list[tuple[torch.Tensor, bool]] = []  # (tensor, whether it is a product's weight) in order
+        for norm, attention, qkv, o, post_norm, gate_up, down in plan.layers:
+            q_norm, k_norm = (getattr(attention, name, None) for name in ("q_norm", "k_norm"))
+            self.entries += [(norm.weight, False), (none if q_norm is None else q_norm.weight, False),
+                             (none if k_norm is None else k_norm.weight, False)]
+            self.entries += products(qkv) + products(o) + [(post_norm.weight, False)] + products(gate_up) + products(down)
+        self.params: dict[str, list[torch.Tensor]] = {}  # per route: the tensors it takes (packed copies for "packed")
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, route: str,
+                masks: list[torch.Tensor | None], cache: TreeCache) -> torch.Tensor:
+        if cache.keys is None:  # a first pass: the cache takes its shapes from the model's keys and values
+            like = hidden.new_empty(0, self.kv_heads, 0, self.head_dim)
+            cache.allocate(like, like)
+        params = self.params.get(route)
+        if params is None:
+            pack = speed.packed if route == "packed" else None
+            params = self.params[route] = [pack(t) if pack and weight else t for t, weight in self.entries]
         rows, slots = cache.write_index
-        query = self.kernels.rotary_write(query, key, value, cos, sin, cache.keys[layer], cache.values[layer],
-                                          rows[:, 0], slots)
-        return query, *cache.read(layer)
-
-    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return self.kernels.silu_mul(gate, up)
+        return self.kernels.decoder_layers(
+            hidden, params, self.qkv_fused, self.qkv_sizes, self.gate_up_fused, self.gate_up_sizes, self.final_norm,
+            self.eps, self.ROUTES[route], cos, sin, cache.keys, cache.values, rows[:, 0], slots, cache.subset,
+            cache.visible, masks, self.scaling)

@@ -126,14 +126,14 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 ROUTES: dict[str, Callable] = {"aten": F.linear, "packed": _packed_linear, "stream": stream_linear}
 
 
-def step_route(rows: int, dtype: torch.dtype) -> Callable:
-    """The product (x, weight, bias) of the route this decoding step's Routes choose for `rows` rows of dtype."""
-    return ROUTES[(_in_step.get() or Routes()).route(rows, dtype)]
+def step_route(rows: int, dtype: torch.dtype) -> str:
+    """The route (a name in ROUTES) this decoding step's Routes choose for products of `rows` rows of dtype."""
+    return (_in_step.get() or Routes()).route(rows, dtype)
 
 
 def _routed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The product by the route this decoding step's Routes choose for its rows and dtype."""
-    return step_route(x.numel() // x.shape[-1], x.dtype)(x, weight, bias)
+    return ROUTES[step_route(x.numel() // x.shape[-1], x.dtype)](x, weight, bias)
 
 
 # the same, as one opaque operation to torch.compile: the route is chosen when the graph runs (its dispatch

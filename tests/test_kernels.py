@@ -12,7 +12,8 @@ from test_lean import FAMILIES, lean_forward, passes, transformers_forward
 from tiny import tiny_model
 from torch.nn import functional as F
 
-from medusa_heads import MedusaModel, kernels, lean, speed
+from medusa_heads import MedusaModel, adapter, kernels, lean, speed
+from medusa_heads import decoder as decoder_module
 from medusa_heads.cache import TreeCache
 from medusa_heads.kernels import stream_linear
 from medusa_heads.tuning import cpu_info
@@ -44,17 +45,22 @@ def test_refuses_what_it_does_not_compute():
         stream_linear(x, torch.randn(8, 15), None)
 
 
+@pytest.mark.parametrize("route", ["stream", "packed"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_with_every_product_on_the_stream_route_and_fused_operations_equals_transformers(arch, monkeypatch):
+def test_greedy_with_every_product_on_one_route_and_fused_operations_equals_transformers(arch, route, monkeypatch):
     model = randomize_heads(MedusaModel.from_pretrained(tiny_model(arch, dtype=torch.float32), num_heads=3))
     used = []
-    real = speed.ROUTES["stream"]
-    monkeypatch.setitem(speed.ROUTES, "stream", lambda x, w, b: used.append(x.shape[0]) or real(x, w, b))
-    monkeypatch.setattr(speed.Routes, "route", lambda self, rows, dtype: "stream")
-    ids = torch.tensor([[5, 9, 3, 7, 5, 9, 3]])
+    real = speed.ROUTES[route]
+    monkeypatch.setitem(speed.ROUTES, route, lambda x, w, b: used.append(x.shape[0]) or real(x, w, b))
+    monkeypatch.setattr(speed.Routes, "route", lambda self, rows, dtype: route)
+    monkeypatch.setattr(decoder_module, "PREFILL_TOKENS", 8)  # prefills of a few rows of the batch at a time
+    prompts = [[5, 9, 3, 7, 5, 9, 3], [4, 8], [6, 2, 6, 2, 6]]
+    ids, mask = decoder_module.pad_batch(prompts)
     for tree in ("plain", "default"):
-        out = model.generate(ids, max_new_tokens=24, tree=tree, eos_token_id=[])
-        assert torch.equal(out.sequences, hf_greedy(model.base_model, ids, 24, eos_token_id=[])), (arch, tree)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=24, tree=tree, eos_token_id=[])
+        for prompt, tokens in zip(prompts, out.new_tokens, strict=True):
+            expected = hf_greedy(model.base_model, torch.tensor([prompt]), 24, eos_token_id=[])[0, len(prompt):]
+            assert tokens == expected.tolist(), (arch, tree)
     assert used  # the products did take the route
 
 
@@ -87,6 +93,7 @@ def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load():
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_lean_decoder_with_fused_operations_equals_transformers_modules(arch):
     base = tiny_model(arch, dtype=torch.float32)
+    assert lean.Plan(adapter.decoder(base)).native  # the pass is one C++ call
     (ours, our_cache), (theirs, their_cache) = passes(base, lean_forward), passes(base, transformers_forward)
     for a, b in zip(ours, theirs, strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
@@ -104,17 +111,27 @@ def test_fused_operations_equal_the_unfused_ones(tokens):
     a, b, c = fused.split(40, dim=-1)
     cos, sin = torch.randn(2, 3, 8, generator=generator).unbind(0)  # per row
 
-    def everything(ops):
+    def everything(fused: bool):
         hidden = torch.randn(3, tokens, 40, generator=torch.Generator().manual_seed(1))
         cache = TreeCache(1, 4, tokens + 4, torch.device("cpu"))
         cache.lengths += torch.tensor([0, 2, 4, 1])
         cache.prepare(tokens, tokens + 4, rows=torch.tensor([3, 0, 2]))  # a prefill of 3 of the 4 rows
         # 5 query heads and 2 key/value heads of 8; cos / sin broadcast over the tokens (stride 0)
-        query, keys, values = ops.rotary_write(a, b[..., :16], c[..., :16], cos[:, None].expand(3, tokens, 8),
-                                               sin[:, None].expand(3, tokens, 8), cache, 0)
-        normed = ops.rms_norm(hidden, norm, a.contiguous())
-        return normed, hidden, ops.rms_norm(hidden, norm, None), ops.silu_mul(a, b), query, keys, values, cache.keys
+        qkv = a, b[..., :16], c[..., :16]
+        rotation = cos[:, None].expand(3, tokens, 8), sin[:, None].expand(3, tokens, 8)
+        if fused:
+            ops = kernels.load()
+            cache.allocate(*(torch.empty(0, 2, 0, 8),) * 2)
+            rows, slots = cache.write_index
+            query = ops.rotary_write(*qkv, *rotation, cache.keys[0], cache.values[0], rows[:, 0], slots)
+            keys, values = cache.read(0)
+            normed = ops.rms_norm(hidden, norm.weight, norm.variance_epsilon, a.contiguous())
+            return (normed, hidden, ops.rms_norm(hidden, norm.weight, norm.variance_epsilon, None), ops.silu_mul(a, b),
+                    query, keys, values, cache.keys)
+        query, keys, values = lean._rotary_write(*qkv, *rotation, cache, 0)
+        normed = lean._rms_norm(hidden, norm, a.contiguous())
+        return normed, hidden, lean._rms_norm(hidden, norm, None), F.silu(a) * b, query, keys, values, cache.keys
 
     with torch.no_grad():
-        for ours, theirs in zip(everything(lean.FusedOps(kernels.load())), everything(lean.TorchOps), strict=True):
+        for ours, theirs in zip(everything(fused=True), everything(fused=False), strict=True):
             assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6)

@@ -72,12 +72,12 @@ def test_probe_picks_the_faster_route(monkeypatch):
 
     def slow_when_wide(x, w, b):  # packed made slower than aten beyond 4 rows
         if x.shape[0] > 4:
-            time.sleep(2e-4)
+            time.sleep(1e-3)
         return real(x, w, b)
 
     monkeypatch.delitem(speed.ROUTES, "stream")  # two routes of known speeds
     monkeypatch.setitem(speed.ROUTES, "packed", slow_when_wide)
-    monkeypatch.setitem(speed.ROUTES, "aten", lambda x, w, b: time.sleep(1e-4) or torch.nn.functional.linear(x, w, b))
+    monkeypatch.setitem(speed.ROUTES, "aten", lambda x, w, b: time.sleep(5e-4) or torch.nn.functional.linear(x, w, b))
     routes = speed.probe_routes(model, widths=(1, 4, 16), rounds=3)
     assert routes.choice["torch.float32"] == ("packed", "packed", "aten")
     packed, aten = routes.times["torch.float32"]["packed"], routes.times["torch.float32"]["aten"]

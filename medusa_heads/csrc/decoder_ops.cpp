@@ -45,10 +45,7 @@ torch::Tensor rms_norm(torch::Tensor& hidden, const torch::Tensor& weight, doubl
       float* row = h + m * K;
       if (d)
         for (int64_t k = 0; k < K; ++k) row[k] = row[k] + d[m * K + k];
-      double squares = 0;
-      for (int64_t k = 0; k < K; ++k) squares += double(row[k]) * row[k];
-      const float scale = 1.0f / std::sqrt(float(squares / K) + float(eps));
-      for (int64_t k = 0; k < K; ++k) y[m * K + k] = w[k] * (row[k] * scale);
+      norm_row(row, w, K, float(eps), y + m * K);
     }
   });
   return out;
