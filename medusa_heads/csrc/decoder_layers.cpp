@@ -7,7 +7,7 @@
 
 namespace {
 
-enum Route : int64_t { kAten = 0, kStream = 1, kPacked = 2 };  // medusa_heads.lean.ROUTES
+enum Route : int64_t { kAten = 0, kStream = 1, kPacked = 2 };  // medusa_heads.lean.Native.ROUTES
 
 c10::optional<torch::Tensor> bias_of(const torch::Tensor& bias) {
   return bias.numel() ? c10::optional<torch::Tensor>(bias) : c10::nullopt;  // an empty tensor: no bias
