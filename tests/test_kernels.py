@@ -135,3 +135,21 @@ def test_fused_operations_equal_the_unfused_ones(tokens):
     with torch.no_grad():
         for ours, theirs in zip(everything(fused=True), everything(fused=False), strict=True):
             assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("head_dim", [16, 24, 64, 128])  # 24: a size without its own compiled case
+@pytest.mark.parametrize("queries", [1, 5])
+def test_attention_of_a_few_queries_equals_sdpa(queries, head_dim):
+    generator = torch.Generator().manual_seed(queries * head_dim)
+    visible, heads, kv_heads = 37, 6, 2
+    keys, values = torch.randn(2, 4, kv_heads, 50, head_dim, generator=generator).unbind(0)  # a cache of 4 rows
+    rows = torch.tensor([3, 1, 2])  # the pass's batch rows in the cache
+    query = torch.randn(3, heads, queries, head_dim, generator=generator)
+    allowed = torch.rand(3, 1, queries, visible, generator=generator) > 0.4
+    allowed[..., 0] = True
+    mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
+    for m in (mask, mask.expand(3, heads, queries, visible), None):  # one mask for every head, one per head, none
+        seen_keys, seen_values = keys[rows, :, :visible], values[rows, :, :visible]
+        expected = F.scaled_dot_product_attention(query, seen_keys, seen_values, attn_mask=m, scale=0.3, enable_gqa=True)
+        got = kernels.load().attend(query, keys, values, rows, visible, m, 0.3)
+        assert torch.allclose(got, expected.transpose(1, 2).flatten(-2), rtol=1e-5, atol=1e-5)

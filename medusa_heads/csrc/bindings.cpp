@@ -6,5 +6,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "hidden += delta (in place, when given); weight * hidden / rms(hidden) per row");
   m.def("rotary_write", &rotary_write, "rotary queries (returned) and keys; keys and values written into the cache");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("attend", &attend, "softmax(q k^T scale + mask) v for a few queries over the cache (see attention.cpp)");
   m.def("decoder_layers", &decoder_layers, "a Llama-family decoder's layers for one pass (see decoder_layers.cpp)");
 }

@@ -3,6 +3,7 @@
 // values' write into the cache, and the gated activation. Eager mode runs each as 5-20 separate operations.
 // Built with -ffp-contract=off: the products and sums round as in transformers' own modeling code.
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <cmath>
 
@@ -11,6 +12,13 @@
 namespace {
 
 constexpr int64_t kGrain = 1 << 15;  // elements a thread takes at least: a decoding pass's run on one thread
+
+// g / (1 + e^-g) * u for 8 floats
+__m256 silu_mul8(__m256 g, __m256 u) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 e = medusa_heads::exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), u);
+}
 
 void check_float_cpu(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name, " must be float32 on the CPU");
@@ -102,7 +110,7 @@ torch::Tensor rotary_write(const torch::Tensor& query, const torch::Tensor& key,
   return out;
 }
 
-// silu(gate) * up, elementwise (both (..., I), rows possibly strided)
+// silu(gate) * up, elementwise (both (..., I), rows possibly strided; e^x by exp8, within 1e-7 of torch's)
 torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
   check_float_cpu(gate, "gate");
   check_float_cpu(up, "up");
@@ -116,7 +124,14 @@ torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
       const float* g = gate.data_ptr<float>() + b * gate.stride(0) + i * gate.stride(1);
       const float* u = up.data_ptr<float>() + b * up.stride(0) + i * up.stride(1);
       float* o = y + (b * n + i) * I;
-      for (int64_t j = 0; j < I; ++j) o[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
+      int64_t j = 0;
+      for (; j + 8 <= I; j += 8) _mm256_storeu_ps(o + j, silu_mul8(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j)));
+      if (j < I) {  // the last few through the same operations, in a padded block
+        alignas(32) float tail[3][8] = {};
+        for (int64_t t = 0; j + t < I; ++t) tail[0][t] = g[j + t], tail[1][t] = u[j + t];
+        _mm256_store_ps(tail[2], silu_mul8(_mm256_load_ps(tail[0]), _mm256_load_ps(tail[1])));
+        for (int64_t t = 0; j + t < I; ++t) o[j + t] = tail[2][t];
+      }
     }
   return out;
 }

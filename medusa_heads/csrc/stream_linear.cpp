@@ -13,12 +13,6 @@ constexpr int64_t kOutputs = 16;  // rows of W per parallel work item
 constexpr int64_t kGroupedAbove = 8;  // passes of more rows take W's rows in threes (measured faster only there:
                                       // 12 sums in registers; 16 rows 5 % faster than in pairs on an AMD EPYC)
 
-float horizontal_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
-}
-
 // y[m, c] = w[c] . x[m] (+ b[c]) for R rows of x and C rows of w (both known at compile time: the R x C sums stay
 // in registers, and each load of x serves C products, each load of w R of them)
 template <int R, int C>
@@ -38,7 +32,7 @@ void dot_tile(const float* __restrict w, const float* __restrict x, int64_t K, f
   }
   for (int c = 0; c < C; ++c)
     for (int m = 0; m < R; ++m) {
-      float s = horizontal_sum(sums[c][m]);
+      float s = medusa_heads::horizontal_sum(sums[c][m]);
       for (int64_t j = k; j < K; ++j) s += w[c * K + j] * x[m * K + j];
       y[m * N + c] = b ? s + b[c] : s;
     }
