@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Reproduces the heads for the embedded default model (SmolLM2-135M-Instruct): self-distillation,
-# Medusa-1 training, tree calibration. Every step resumes: rerun the script after a stop.
+# Medusa-1 training, tree calibration, and the EAGLE-style draft to compare with them (`medusa bench
+# --suite`). Every step resumes: rerun the script after a stop.
 # The prompt order is a seeded permutation of train_prompts.jsonl, so a larger PROMPTS extends the
 # same data. Set SHIP=1 to copy the result into the package (medusa_heads/default_heads with the heads'
 # replay record, from which tree="auto" chooses on each machine; trees/default.json, the fallback tree).
@@ -10,6 +11,7 @@ DATA=${DATA:-../shared/data}
 WORK=${WORK:-runs/default-heads}
 PROMPTS=${PROMPTS:-3201}   # prompts to distill (continuously batched, 64 at a time)
 EPOCHS=${EPOCHS:-5}
+DRAFT_EPOCHS=${DRAFT_EPOCHS:-2}   # the EAGLE-style draft's
 HEADS=${HEADS:-4}
 LAYERS=${LAYERS:-2}
 MEDUSA=.venv/bin/medusa
@@ -31,6 +33,16 @@ time "$MEDUSA" train --data "$WORK/distilled.jsonl" --out "$WORK/heads" --num-he
 
 time "$MEDUSA" calibrate --heads "$WORK/heads" --prompts "$DATA/train_prompts.jsonl" --exclude "$WORK/distilled.jsonl" \
   --limit 20 --out "$WORK/tree.json"
+
+# the EAGLE-style draft on the same data and the same cached hidden states (DRAFT_EPOCHS=0 leaves it out)
+if [ "$DRAFT_EPOCHS" -gt 0 ]; then
+  resume=()
+  [ -d "$WORK/eagle/checkpoint" ] && resume=(--resume)
+  time "$MEDUSA" train --draft eagle --draft-vocab 8192 --data "$WORK/distilled.jsonl" --out "$WORK/eagle" \
+    --hidden-cache "$WORK/heads/hidden-cache" --epochs "$DRAFT_EPOCHS" --batch-size 8 --lr 1e-3 "${bf16[@]}" "${resume[@]}"
+  time "$MEDUSA" calibrate --heads "$WORK/eagle" --prompts "$DATA/train_prompts.jsonl" --exclude "$WORK/distilled.jsonl" \
+    --limit 20 --out "$WORK/eagle-tree.json"
+fi
 
 if [ "${SHIP:-0}" = 1 ]; then
   mkdir -p medusa_heads/default_heads

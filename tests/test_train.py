@@ -224,3 +224,16 @@ def test_hidden_cache_runs_only_conversations_it_has_not_seen(tmp_path):
     with torch.no_grad():
         expected = body(input_ids=torch.tensor([more[3].input_ids])).last_hidden_state[0].half()
     assert torch.equal(states[-1], expected)
+
+
+def test_a_second_run_reuses_the_first_runs_hidden_cache(tmp_path):
+    train, held = counting_examples(16), counting_examples(8, seed=1)
+    config = TrainConfig(num_heads=2, epochs=1, batch_size=8, hidden_cache=str(tmp_path / "states"))
+    Trainer(tiny_medusa(num_heads=2), config, tmp_path / "heads").fit(train, held)
+    assert list((tmp_path / "states").glob("part-*.safetensors")) and not (tmp_path / "heads" / "hidden-cache").exists()
+    model = tiny_medusa(num_heads=2)
+    runs = []
+    adapter.decoder(model.base_model).register_forward_hook(lambda *_: runs.append(1))
+    eagle = TrainConfig(draft="eagle", epochs=1, batch_size=8, hidden_cache=str(tmp_path / "states"))
+    Trainer(MedusaModel.from_pretrained(model.base_model, draft="eagle"), eagle, tmp_path / "draft").fit(train, held)
+    assert not runs  # every state came from the first run's folder

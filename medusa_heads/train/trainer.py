@@ -62,6 +62,8 @@ class TrainConfig:
     bf16: bool = setting(False, "training steps' products in bfloat16 (autocast; weights and optimiser stay float32; "
                                 "1.6x faster measured on a CPU with AVX512-BF16)")
     cache_hidden: bool = setting(True, "Medusa-1: compute backbone hidden states once, reuse them every epoch")
+    hidden_cache: str = setting("", "where the hidden states are cached (default OUT/hidden-cache; another run's "
+                                    "folder reuses its states: heads and an EAGLE draft trained on the same data)")
     checkpoint_every: int = setting(200, "optimiser steps between checkpoints")
     skip_bad: bool = setting(False, "skip malformed records (counted) instead of stopping")
     heads_lr_multiplier: float = setting(4.0, "Medusa-2: heads learn this much faster than the backbone")
@@ -293,7 +295,8 @@ class Trainer:
             acc.print(f"draft vocabulary: the {heads.draft_vocab} most frequent answer tokens cover {coverage:.2%}")
         states = held_states = None
         if config.mode == "medusa1" and config.cache_hidden:
-            cached = HiddenCache(self.out / "hidden-cache", self.model, acc).states(self.model, train + held_out, acc)
+            folder = Path(config.hidden_cache) if config.hidden_cache else self.out / "hidden-cache"
+            cached = HiddenCache(folder, self.model, acc).states(self.model, train + held_out, acc)
             states, held_states = cached[: len(train)], cached[len(train) :]
         steps_per_epoch = len(batches_for_epoch(len(train), 0, config, acc))
         total_steps = steps_per_epoch * config.epochs
