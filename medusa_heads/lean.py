@@ -15,6 +15,7 @@ operations' rounding. Set MEDUSA_HEADS_LEAN_DECODER=0 to run transformers' modul
 from __future__ import annotations
 
 import os
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -65,7 +66,8 @@ class Plan:
         if self.native:
             return self.native.forward(hidden, cos, sin, route, masks, cache)
         linear, delta = speed.ROUTES[route], None  # delta: the last layer's MLP output, added by the next norm
-        for i, ((norm, attention, qkv, o, post_norm, gate_up, down), layer_mask) in enumerate(zip(self.layers, masks)):
+        layers = zip(self.layers, masks, strict=True)
+        for i, ((norm, attention, qkv, o, post_norm, gate_up, down), layer_mask) in enumerate(layers):
             x = _rms_norm(hidden, norm, delta)
             query, key, value = qkv(x, linear)
             if hasattr(attention, "q_norm"):  # Qwen3: a norm per head before the rotary embedding
@@ -125,7 +127,7 @@ class Native:
     """A plan's pass as one call of the C++ kernels' `decoder_layers` (float32 on a CPU, where they are built):
     the same operations in the same order, the small ones fused (`csrc/decoder_ops.cpp`)."""
 
-    ROUTES = {"aten": 0, "stream": 1, "packed": 2}  # the route numbers of csrc/decoder_layers.cpp
+    ROUTES: ClassVar[dict[str, int]] = {"aten": 0, "stream": 1, "packed": 2}  # csrc/decoder_layers.cpp's numbers
 
     @staticmethod
     def runs(plan: Plan) -> bool:
@@ -158,7 +160,8 @@ class Native:
             q_norm, k_norm = (getattr(attention, name, None) for name in ("q_norm", "k_norm"))
             self.entries += [(norm.weight, False), (none if q_norm is None else q_norm.weight, False),
                              (none if k_norm is None else k_norm.weight, False)]
-            self.entries += products(qkv) + products(o) + [(post_norm.weight, False)] + products(gate_up) + products(down)
+            self.entries += products(qkv) + products(o) + [(post_norm.weight, False)]
+            self.entries += products(gate_up) + products(down)
         self.params: dict[str, list[torch.Tensor]] = {}  # per route: the tensors it takes (packed copies for "packed")
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, route: str,

@@ -150,6 +150,7 @@ def test_attention_of_a_few_queries_equals_sdpa(queries, head_dim):
     mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
     for m in (mask, mask.expand(3, heads, queries, visible), None):  # one mask for every head, one per head, none
         seen_keys, seen_values = keys[rows, :, :visible], values[rows, :, :visible]
-        expected = F.scaled_dot_product_attention(query, seen_keys, seen_values, attn_mask=m, scale=0.3, enable_gqa=True)
+        expected = F.scaled_dot_product_attention(query, seen_keys, seen_values, attn_mask=m, scale=0.3,
+                                                  enable_gqa=True)
         got = kernels.load().attend(query, keys, values, rows, visible, m, 0.3)
         assert torch.allclose(got, expected.transpose(1, 2).flatten(-2), rtol=1e-5, atol=1e-5)
