@@ -15,9 +15,10 @@ namespace {
 
 constexpr int64_t kWorkPerThread = 1 << 17;  // multiply-adds a thread takes at least (below: one thread)
 constexpr float kMasked = -1e30f;             // an additive mask at or below this hides its key
+constexpr int64_t kMaxChunks = 16;            // head sizes up to 128 (8 floats a chunk)
 
-// softmax(scale * q . k_j + mask_j) . v over the visible keys, for one query row; D a multiple of 8 (C = D / 8 when
-// known at compile time: the sums stay in registers)
+// softmax(scale * q . k_j + mask_j) . v over the visible keys, for one query row; D a multiple of 8 up to 128 (C =
+// D / 8 when known at compile time: the sums stay in registers)
 template <int C>
 void attend_row(const float* q, const float* keys, const float* values, int64_t visible, int64_t D,
                 const float* mask, int64_t mask_stride, float scale, float* scores, float* out) {
@@ -35,9 +36,10 @@ void attend_row(const float* q, const float* keys, const float* values, int64_t 
     scores[j] = medusa_heads::horizontal_sum(sum) * scale + bias;
     top = std::max(top, scores[j]);
   }
-  for (int64_t d = 0; d < D; ++d) out[d] = 0.0f;
-  if (top == -std::numeric_limits<float>::infinity()) return;  // every key hidden: zeros
-  float total = 0.0f;
+  if (top == -std::numeric_limits<float>::infinity()) {  // every key hidden: zeros
+    for (int64_t d = 0; d < D; ++d) out[d] = 0.0f;
+    return;
+  }
   for (int64_t j = 0; j < visible; ++j) scores[j] = scores[j] - top;
   int64_t j = 0;
   __m256 totals = _mm256_setzero_ps();
@@ -46,33 +48,23 @@ void attend_row(const float* q, const float* keys, const float* values, int64_t 
     _mm256_storeu_ps(scores + j, e);
     totals = _mm256_add_ps(totals, e);
   }
-  total = medusa_heads::horizontal_sum(totals);
+  float total = medusa_heads::horizontal_sum(totals);
   if (j < visible) {  // the last few through the same exp, in a padded block
     alignas(32) float tail[8];
     for (int64_t t = 0; t < 8; ++t) tail[t] = j + t < visible ? scores[j + t] : -std::numeric_limits<float>::infinity();
     _mm256_store_ps(tail, medusa_heads::exp8(_mm256_load_ps(tail)));
     for (int64_t t = 0; j + t < visible; ++t) scores[j + t] = tail[t], total += tail[t];
   }
-  if (C) {
-    __m256 acc[C ? C : 1];
-    for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < visible; ++j) {
-      if (scores[j] == 0.0f) continue;
-      const __m256 p = _mm256_set1_ps(scores[j]);
-      const float* v = values + j * D;
-      for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
-    }
-    const __m256 inverse = _mm256_set1_ps(1.0f / total);
-    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(acc[c], inverse));
-  } else {
-    for (int64_t j = 0; j < visible; ++j) {
-      if (scores[j] == 0.0f) continue;
-      const __m256 p = _mm256_set1_ps(scores[j]);
-      for (int64_t c = 0; c < chunks; ++c)
-        _mm256_storeu_ps(out + 8 * c, _mm256_fmadd_ps(p, _mm256_loadu_ps(values + j * D + 8 * c), _mm256_loadu_ps(out + 8 * c)));
-    }
-    for (int64_t d = 0; d < D; ++d) out[d] = out[d] / total;
+  __m256 acc[kMaxChunks];
+  for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < visible; ++j) {
+    if (scores[j] == 0.0f) continue;
+    const __m256 p = _mm256_set1_ps(scores[j]);
+    const float* v = values + j * D;
+    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
   }
+  const __m256 inverse = _mm256_set1_ps(1.0f / total);
+  for (int64_t c = 0; c < chunks; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(acc[c], inverse));
 }
 
 }  // namespace
@@ -88,9 +80,9 @@ torch::Tensor medusa_heads::attend(const torch::Tensor& query, const torch::Tens
               "attend: float32 contiguous query (B, heads, n, D) and cache layers (R, kv_heads, S, D) expected");
   const int64_t B = query.size(0), heads = query.size(1), n = query.size(2), D = query.size(3);
   const int64_t kv_heads = keys.size(1), S = keys.size(2);
-  TORCH_CHECK(keys.size(3) == D && D % 8 == 0 && heads % kv_heads == 0 && visible <= S && rows.numel() == B &&
+  TORCH_CHECK(keys.size(3) == D && D % 8 == 0 && D <= 8 * kMaxChunks && heads % kv_heads == 0 && visible <= S && rows.numel() == B &&
                   rows.scalar_type() == torch::kLong,
-              "attend: sizes do not match (head size a multiple of 8, heads a multiple of the key/value heads)");
+              "attend: sizes do not match (head size a multiple of 8 up to 128, heads a multiple of the key/value heads)");
   const float* m = nullptr;
   int64_t mb = 0, mh = 0, mi = 0, mj = 0;
   if (mask.has_value()) {

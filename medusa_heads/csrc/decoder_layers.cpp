@@ -1,6 +1,7 @@
 // A Llama-family decoder's layers for one pass in one call: per layer the fused operations of decoder_ops.cpp, the
-// products by the step's kernel route and the attention (attention.cpp or torch's sdpa), with no Python between them (the loop in Python costs
-// ~50 us a layer, as much as a small model's layer takes in everything but its products).
+// products by the step's kernel route and the attention (attention.cpp or torch's sdpa), with no Python between
+// them (the loop in Python costs ~50 us a layer, as much as a small model's layer takes in everything but its
+// products).
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include "kernels.h"
@@ -88,7 +89,7 @@ torch::Tensor medusa_heads::decoder_layers(torch::Tensor hidden, const std::vect
     auto layer_keys = keys.select(0, i), layer_values = values.select(0, i);
     auto query = rotary_write(qkv[0], qkv[1], qkv[2], cos, sin, layer_keys, layer_values, rows, slots);
     torch::Tensor attended;
-    if (n <= kFewQueries && D % 8 == 0) {
+    if (n <= kFewQueries && D % 8 == 0 && D <= 128) {  // what attend computes
       attended = attend(query, layer_keys, layer_values, rows, visible, masks[i], scaling);
     } else {
       auto seen_keys = layer_keys.narrow(2, 0, visible), seen_values = layer_values.narrow(2, 0, visible);
