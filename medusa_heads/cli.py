@@ -191,13 +191,15 @@ def cmd_distill(args: argparse.Namespace) -> None:
         answerer = EndpointAnswerer(args.endpoint, args.model, args.max_new_tokens, args.temperature, args.batch_size)
     else:
         answerer = LocalAnswerer(load_model(args), args.max_new_tokens, args.temperature, args.seed, args.batch_size)
-    added = distill(prompts, answerer, args.out)
+    added = distill(prompts, answerer, args.out, answers=args.answers)
     print(f"{args.out}: {added} prompts answered, {len(prompts)} in all")
 
 
 def setup_distill(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", required=True, help='JSONL of {"turns": [...]} or ShareGPT (assistant turns redone)')
     p.add_argument("--out", required=True, help="ShareGPT JSONL to write (resumes if it exists)")
+    p.add_argument("--answers", help="gzip JSONL of the answers alone (no prompts), kept in step with --out: "
+                   "commit or carry it; a rerun rebuilds --out from it and --prompts")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: exact sampling")
     p.add_argument("--batch-size", type=int, default=16,

@@ -10,6 +10,7 @@ cd "$(dirname "$0")/.."
 DATA=${DATA:-../shared/data}
 WORK=${WORK:-runs/default-heads}
 PROMPTS=${PROMPTS:-3201}   # prompts to distill (continuously batched, 64 at a time)
+ANSWERS=${ANSWERS:-data/default-heads.answers.jsonl.gz}   # the answers alone, committed: a fresh checkout reuses them
 EPOCHS=${EPOCHS:-5}
 DRAFT_EPOCHS=${DRAFT_EPOCHS:-2}   # the EAGLE-style draft's
 HEADS=${HEADS:-4}
@@ -24,7 +25,7 @@ mkdir -p "$WORK"
 dtype=${DTYPE:-float32} bf16=()
 [ "$dtype" = bfloat16 ] && bf16=(--bf16)
 time "$MEDUSA" distill --prompts "$DATA/train_prompts.jsonl" --sample 12790 --seed 0 --limit "$PROMPTS" \
-  --out "$WORK/distilled.jsonl" --batch-size 64 --max-new-tokens 256 --dtype "$dtype"
+  --out "$WORK/distilled.jsonl" --answers "$ANSWERS" --batch-size 64 --max-new-tokens 256 --dtype "$dtype"
 
 resume=()
 [ -d "$WORK/heads/checkpoint" ] && resume=(--resume)

@@ -1,5 +1,6 @@
 """Self-distillation through the CLI: multi-turn answers, and a SIGKILL mid-run loses nothing."""
 
+import gzip
 import json
 import os
 import signal
@@ -11,7 +12,7 @@ import pytest
 
 from medusa_heads import MedusaModel
 from medusa_heads.train.data import DataError
-from medusa_heads.train.distill import LocalAnswerer, completed_ids, distill, read_prompts
+from medusa_heads.train.distill import LocalAnswerer, completed_ids, distill, read_prompts, save_answers
 
 
 def write_prompts(path, count):
@@ -56,6 +57,33 @@ def test_a_torn_last_line_is_cut_and_redone(tmp_path):
     out.write_text('{"id": "p0", "conversations": []}\n{"id": "p1", "conv')
     assert completed_ids(out) == {"p0"}
     assert out.read_text() == '{"id": "p0", "conversations": []}\n'
+
+
+class Unasked:
+    """An answerer for runs where every answer must come from the answers file."""
+
+    def has_room(self):
+        return True
+
+    def submit(self, key, chat):
+        raise AssertionError(f"{key} was asked again")
+
+
+def test_answers_alone_rebuild_the_distilled_file(tmp_path):
+    prompts_file, out, answers = tmp_path / "p.jsonl", tmp_path / "out.jsonl", tmp_path / "answers.jsonl.gz"
+    write_prompts(prompts_file, 4)
+    prompts = read_prompts(prompts_file)
+    records = [{"id": key, "conversations": [m for j, turn in enumerate(turns) for m in (
+        {"from": "human", "value": turn}, {"from": "gpt", "value": f"answer {j} to {key}"})]} for key, turns in prompts]
+    out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert save_answers(out, answers) == 4
+    assert "a b c" not in gzip.decompress(answers.read_bytes()).decode()  # no prompt text
+    out.unlink()
+    assert distill(prompts, Unasked(), out, progress=False, answers=answers) == 0
+    assert sorted(map(json.loads, out.read_text().splitlines()), key=lambda r: r["id"]) == records
+    other = [(key, turns[:1]) for key, turns in prompts]  # p0 had two turns
+    with pytest.raises(DataError, match="2 answers for the 1 turns of prompt 'p0'"):
+        distill(other, Unasked(), tmp_path / "fresh.jsonl", progress=False, answers=answers)
 
 
 def test_bad_prompt_files(tmp_path):

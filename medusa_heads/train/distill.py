@@ -4,10 +4,15 @@ Every user turn is answered in order, later turns seeing the model's own earlier
 finished conversation is appended as one complete line (one write, flushed and fsynced); on a
 rerun, a torn last line is cut off and every prompt already written is skipped, so after any
 number of kills the file ends with every prompt exactly once.
+
+`answers`: a prompt-free copy of the answers (gzip JSONL of id + assistant turns) that can be
+committed or carried where the prompts may not go; a rerun rebuilds the records from it and the
+prompts instead of answering again.
 """
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
 import os
@@ -84,14 +89,57 @@ def completed_ids(out: Path) -> set[str]:
     return record_ids(out)
 
 
-def distill(prompts: list[tuple[str, list[str]]], answerer: Answerer, out: str | Path, progress: bool = True) -> int:
+def save_answers(out: Path, answers: Path) -> int:
+    """Writes the assistant turns of every complete record of `out` to `answers` (atomically); returns how many."""
+    data = out.read_bytes()
+    records = [json.loads(line) for line in data[: data.rfind(b"\n") + 1].decode().splitlines()]
+    tmp = answers.with_name(answers.name + ".tmp")
+    with gzip.open(tmp, "wt", encoding="utf-8") as f:
+        for record in records:
+            turns = [m["value"] for m in record["conversations"] if m["from"] == "gpt"]
+            f.write(json.dumps({"id": record["id"], "answers": turns}, ensure_ascii=False) + "\n")
+    os.replace(tmp, answers)
+    return len(records)
+
+
+def restore_answers(prompts: list[tuple[str, list[str]]], answers: Path, out: Path) -> int:
+    """Appends to `out` the records of `answers` for these prompts not yet in it; returns how many."""
+    done, wanted = completed_ids(out), dict(prompts)
+    lines = []
+    with gzip.open(answers, "rt", encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            record = json.loads(line)
+            key, replies = str(record["id"]), record["answers"]
+            if key in done or key not in wanted:
+                continue
+            turns = wanted[key]
+            if len(replies) != len(turns):
+                raise DataError(f"{answers}:{number}: {len(replies)} answers for the {len(turns)} turns of "
+                                f"prompt {key!r}: these answers are for other prompts; pass the prompts they "
+                                "were made from, or move the file away")
+            chat = [m for turn, reply in zip(turns, replies, strict=True)
+                    for m in ({"from": "human", "value": turn}, {"from": "gpt", "value": reply})]
+            lines.append(json.dumps({"id": key, "conversations": chat}, ensure_ascii=False) + "\n")
+            done.add(key)
+    with open(out, "ab") as f:
+        f.write("".join(lines).encode())
+        f.flush()
+        os.fsync(f.fileno())
+    return len(lines)
+
+
+def distill(prompts: list[tuple[str, list[str]]], answerer: Answerer, out: str | Path, progress: bool = True,
+            answers: str | Path | None = None) -> int:
     """Answer every prompt not yet in `out`, appending ShareGPT records; returns how many were added.
+    With `answers`, the prompts answered there are restored first and every answer is copied there after.
 
     Conversations flow through the answerer continuously: when one finishes, the next prompt takes
     its place, so the batch stays full (no waiting for the longest answer of a batch).
     """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if answers is not None and Path(answers).exists():
+        restore_answers(prompts, Path(answers), out)
     done = completed_ids(out)
     todo = deque((key, turns) for key, turns in prompts if key not in done)
     added = len(todo)
@@ -118,6 +166,8 @@ def distill(prompts: list[tuple[str, list[str]]], answerer: Answerer, out: str |
                 os.fsync(f.fileno())
                 bar.update(1)
     bar.close()
+    if answers is not None:
+        save_answers(out, Path(answers))
     return added
 
 
