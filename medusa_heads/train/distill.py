@@ -92,7 +92,7 @@ def completed_ids(out: Path) -> set[str]:
 def save_answers(out: Path, answers: Path) -> int:
     """Writes the assistant turns of every complete record of `out` to `answers` (atomically); returns how many."""
     data = out.read_bytes()
-    records = [json.loads(line) for line in data[: data.rfind(b"\n") + 1].decode().splitlines()]
+    records = [json.loads(line) for line in data[: data.rfind(b"\n") + 1].decode().split("\n")[:-1]]
     tmp = answers.with_name(answers.name + ".tmp")
     with gzip.open(tmp, "wt", encoding="utf-8") as f:
         for record in records:
