@@ -13,6 +13,7 @@ prompts instead of answering again.
 from __future__ import annotations
 
 import gzip
+import io
 import itertools
 import json
 import os
@@ -65,17 +66,36 @@ def _with_placeholder(record: dict) -> dict:
     return record
 
 
-def record_ids(path: str | Path) -> set[str]:
-    """Ids of the complete records in a distilled file (a torn last line is not a record yet)."""
+def _records(path: str | Path) -> list[tuple[str, dict]]:
+    """(id, record) of the complete records in a distilled file (a torn last line is not a record yet)."""
     data = Path(path).read_bytes()
-    ids = set()
+    records = []
     for number, line in enumerate(data[: data.rfind(b"\n") + 1].decode().split("\n")[:-1], 1):
         try:
-            ids.add(str(json.loads(line)["id"]))
+            record = json.loads(line)
+            records.append((str(record["id"]), record))
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise DataError(f"{path}:{number}: not a distilled record ({err}); move the file away to start over"
                             ) from err
-    return ids
+    return records
+
+
+def record_ids(path: str | Path) -> set[str]:
+    """Ids of the complete records in a distilled file."""
+    return {key for key, _ in _records(path)}
+
+
+def _append(f, lines: list[str]) -> None:
+    """Appends whole lines, flushed and fsynced: a kill leaves at most a torn last line."""
+    f.write("".join(lines).encode())
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _sharegpt_line(key: str, chat: list[dict]) -> str:
+    """One distilled record: the chat (role / content messages) as a ShareGPT conversation."""
+    conversation = [{"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]} for m in chat]
+    return json.dumps({"id": key, "conversations": conversation}, ensure_ascii=False) + "\n"
 
 
 def completed_ids(out: Path) -> set[str]:
@@ -91,26 +111,25 @@ def completed_ids(out: Path) -> set[str]:
 
 def save_answers(out: Path, answers: Path) -> int:
     """Writes the assistant turns of every complete record of `out` to `answers` (atomically); returns how many."""
-    data = out.read_bytes()
-    records = [json.loads(line) for line in data[: data.rfind(b"\n") + 1].decode().split("\n")[:-1]]
+    records = _records(out)
     tmp = answers.with_name(answers.name + ".tmp")
-    with gzip.open(tmp, "wt", encoding="utf-8") as f:
-        for record in records:
+    # no name or time in the gzip header: the same answers give the same bytes (no churn where committed)
+    with open(tmp, "wb") as raw, io.TextIOWrapper(gzip.GzipFile("", "wb", fileobj=raw, mtime=0), encoding="utf-8") as f:
+        for key, record in records:
             turns = [m["value"] for m in record["conversations"] if m["from"] == "gpt"]
-            f.write(json.dumps({"id": record["id"], "answers": turns}, ensure_ascii=False) + "\n")
+            f.write(json.dumps({"id": key, "answers": turns}, ensure_ascii=False) + "\n")
     os.replace(tmp, answers)
     return len(records)
 
 
-def restore_answers(prompts: list[tuple[str, list[str]]], answers: Path, out: Path) -> int:
-    """Appends to `out` the records of `answers` for these prompts not yet in it; returns how many."""
-    done, wanted = completed_ids(out), dict(prompts)
-    lines = []
+def restore_answers(prompts: list[tuple[str, list[str]]], answers: Path, out: Path, done: set[str]) -> set[str]:
+    """Appends to `out` the records of `answers` for these prompts not in `done`; returns their ids."""
+    wanted, restored, lines = dict(prompts), set(), []
     with gzip.open(answers, "rt", encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             record = json.loads(line)
             key, replies = str(record["id"]), record["answers"]
-            if key in done or key not in wanted:
+            if key in done or key in restored or key not in wanted:
                 continue
             turns = wanted[key]
             if len(replies) != len(turns):
@@ -118,14 +137,12 @@ def restore_answers(prompts: list[tuple[str, list[str]]], answers: Path, out: Pa
                                 f"prompt {key!r}: these answers are for other prompts; pass the prompts they "
                                 "were made from, or move the file away")
             chat = [m for turn, reply in zip(turns, replies, strict=True)
-                    for m in ({"from": "human", "value": turn}, {"from": "gpt", "value": reply})]
-            lines.append(json.dumps({"id": key, "conversations": chat}, ensure_ascii=False) + "\n")
-            done.add(key)
+                    for m in ({"role": "user", "content": turn}, {"role": "assistant", "content": reply})]
+            lines.append(_sharegpt_line(key, chat))
+            restored.add(key)
     with open(out, "ab") as f:
-        f.write("".join(lines).encode())
-        f.flush()
-        os.fsync(f.fileno())
-    return len(lines)
+        _append(f, lines)
+    return restored
 
 
 def distill(prompts: list[tuple[str, list[str]]], answerer: Answerer, out: str | Path, progress: bool = True,
@@ -138,9 +155,9 @@ def distill(prompts: list[tuple[str, list[str]]], answerer: Answerer, out: str |
     """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if answers is not None and Path(answers).exists():
-        restore_answers(prompts, Path(answers), out)
     done = completed_ids(out)
+    if answers is not None and Path(answers).exists():
+        done |= restore_answers(prompts, Path(answers), out, done)
     todo = deque((key, turns) for key, turns in prompts if key not in done)
     added = len(todo)
     chats: dict[str, tuple[list[str], list[dict]]] = {}  # in flight: key -> (user turns, chat so far)
@@ -159,11 +176,7 @@ def distill(prompts: list[tuple[str, list[str]]], answerer: Answerer, out: str |
                     answerer.submit(key, chat)
                     continue
                 del chats[key]
-                record = {"id": key, "conversations": [
-                    {"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]} for m in chat]}
-                f.write((json.dumps(record, ensure_ascii=False) + "\n").encode())
-                f.flush()
-                os.fsync(f.fileno())
+                _append(f, [_sharegpt_line(key, chat)])
                 bar.update(1)
     bar.close()
     if answers is not None:
