@@ -81,6 +81,11 @@ def test_answers_alone_rebuild_the_distilled_file(tmp_path):
     out.unlink()
     assert distill(prompts, Unasked(), out, progress=False, answers=answers) == 0
     assert sorted(map(json.loads, out.read_text().splitlines()), key=lambda r: r["id"]) == records
+    fewer = tmp_path / "fewer.jsonl"  # a run over fewer prompts restores those and keeps every answer
+    assert distill(prompts[:2], Unasked(), fewer, progress=False, answers=answers) == 0
+    assert len(fewer.read_text().splitlines()) == 2
+    assert distill(prompts, Unasked(), tmp_path / "all.jsonl", progress=False, answers=answers) == 0
+    assert sorted((tmp_path / "all.jsonl").read_text().splitlines()) == sorted(out.read_text().splitlines())
     other = [(key, turns[:1]) for key, turns in prompts]  # p0 had two turns
     with pytest.raises(DataError, match="2 answers for the 1 turns of prompt 'p0'"):
         distill(other, Unasked(), tmp_path / "fresh.jsonl", progress=False, answers=answers)

@@ -110,36 +110,44 @@ def completed_ids(out: Path) -> set[str]:
 
 
 def save_answers(out: Path, answers: Path) -> int:
-    """Writes the assistant turns of every complete record of `out` to `answers` (atomically); returns how many."""
-    records = _records(out)
+    """Writes the assistant turns of every complete record of `out` to `answers` (atomically), keeping the answers
+    already there for prompts not in `out` (a run over fewer prompts loses none); returns how many are written."""
+    fresh = {key: json.dumps({"id": key, "answers": [m["value"] for m in rec["conversations"] if m["from"] == "gpt"]},
+                             ensure_ascii=False) + "\n" for key, rec in _records(out)}
+    # in the file's own order, new prompts last: the same answers give the same bytes (no churn where committed)
+    old = [(str(json.loads(line)["id"]), line) for line in _answer_lines(answers)] if answers.exists() else []
+    lines = [fresh.pop(key, line) for key, line in old] + list(fresh.values())
     tmp = answers.with_name(answers.name + ".tmp")
-    # no name or time in the gzip header: the same answers give the same bytes (no churn where committed)
+    # no name or time in the gzip header either
     with open(tmp, "wb") as raw, io.TextIOWrapper(gzip.GzipFile("", "wb", fileobj=raw, mtime=0), encoding="utf-8") as f:
-        for key, record in records:
-            turns = [m["value"] for m in record["conversations"] if m["from"] == "gpt"]
-            f.write(json.dumps({"id": key, "answers": turns}, ensure_ascii=False) + "\n")
+        f.writelines(lines)
     os.replace(tmp, answers)
-    return len(records)
+    return len(lines)
+
+
+def _answer_lines(answers: Path) -> list[str]:
+    """The lines of an answers file (records split on newlines only: an answer may hold U+2028)."""
+    with gzip.open(answers, "rb") as f:
+        return [line + "\n" for line in f.read().decode("utf-8").split("\n")[:-1]]
 
 
 def restore_answers(prompts: list[tuple[str, list[str]]], answers: Path, out: Path, done: set[str]) -> set[str]:
     """Appends to `out` the records of `answers` for these prompts not in `done`; returns their ids."""
     wanted, restored, lines = dict(prompts), set(), []
-    with gzip.open(answers, "rt", encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            record = json.loads(line)
-            key, replies = str(record["id"]), record["answers"]
-            if key in done or key in restored or key not in wanted:
-                continue
-            turns = wanted[key]
-            if len(replies) != len(turns):
-                raise DataError(f"{answers}:{number}: {len(replies)} answers for the {len(turns)} turns of "
-                                f"prompt {key!r}: these answers are for other prompts; pass the prompts they "
-                                "were made from, or move the file away")
-            chat = [m for turn, reply in zip(turns, replies, strict=True)
-                    for m in ({"role": "user", "content": turn}, {"role": "assistant", "content": reply})]
-            lines.append(_sharegpt_line(key, chat))
-            restored.add(key)
+    for number, line in enumerate(_answer_lines(answers), 1):
+        record = json.loads(line)
+        key, replies = str(record["id"]), record["answers"]
+        if key in done or key in restored or key not in wanted:
+            continue
+        turns = wanted[key]
+        if len(replies) != len(turns):
+            raise DataError(f"{answers}:{number}: {len(replies)} answers for the {len(turns)} turns of "
+                            f"prompt {key!r}: these answers are for other prompts; pass the prompts they "
+                            "were made from, or move the file away")
+        chat = [m for turn, reply in zip(turns, replies, strict=True)
+                for m in ({"role": "user", "content": turn}, {"role": "assistant", "content": reply})]
+        lines.append(_sharegpt_line(key, chat))
+        restored.add(key)
     with open(out, "ab") as f:
         _append(f, lines)
     return restored
