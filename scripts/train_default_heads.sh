@@ -9,9 +9,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${DATA:-../shared/data}
 WORK=${WORK:-runs/default-heads}
-PROMPTS=${PROMPTS:-3201}   # prompts to distill (continuously batched, 64 at a time)
+# prompts to distill and train on (continuously batched, 64 at a time); the last 250 of the 12,790 are held
+# out, at least 3 of each suite category, for `medusa calibrate` and `medusa bench --suite`
+PROMPTS=${PROMPTS:-12540}
 ANSWERS=${ANSWERS:-data/default-heads.answers.jsonl.gz}   # the answers alone, committed: a fresh checkout reuses them
-EPOCHS=${EPOCHS:-5}
+EPOCHS=${EPOCHS:-3}
 DRAFT_EPOCHS=${DRAFT_EPOCHS:-2}   # the EAGLE-style draft's
 HEADS=${HEADS:-4}
 LAYERS=${LAYERS:-2}
