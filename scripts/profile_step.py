@@ -1,6 +1,6 @@
 """Where a decoding step's time goes, on the device at hand (the default model unless --base/--heads).
 
-    python scripts/profile_step.py [--tree default] [--steps 40] [--base MODEL --heads DIR]
+    python scripts/profile_step.py [--tree default] [--steps 40] [--base MODEL --heads DIR] [--compile]
 
 Wraps the parts of a decoding step with wall-clock timers (exact on a CPU; on a GPU each part is
 synchronised first): the heads' proposals, the base model's verification forward, its logits
@@ -8,12 +8,15 @@ synchronised first): the heads' proposals, the base model's verification forward
 step's own mask, position and Python work. Prefill and warm-up steps are not counted. Then the step's matrix
 products alone (the base's linear layers, fused siblings as one, and lm_head, over as many rows as the step's
 tree has tokens, by the kernel route the step takes): what is not a matrix product is the rest of the step.
+`--compile` runs the passes through the compiled decoder; each tree's warm-up (its compile, if any) is timed,
+and so is the whole start: a fresh process, from its first line to its first timed step.
 """
 
 import argparse
 import time
 from collections import defaultdict
 
+import psutil
 import torch
 
 from medusa_heads import Decoding, MedusaModel, adapter, decoder, generate, speed
@@ -75,8 +78,11 @@ def main() -> None:
     parser.add_argument("--heads")
     parser.add_argument("--tree", default="auto", help="a preset, a tree file, or auto (the one chosen here)")
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--compile", action="store_true", help="the passes through the compiled decoder")
     args = parser.parse_args()
     model = MedusaModel.from_pretrained(args.base, heads=args.heads, projection="shared")
+    if args.compile:
+        model.compile_decoding()
     for owner, name, label in PARTS:
         wrap(owner, name, label, model.device)
     count_rows()
@@ -86,8 +92,13 @@ def main() -> None:
         decoding = Decoding(max_new_tokens=(depth + 1) * (args.steps + 4), tree=tree)
         engine = generate.make_decoder(model, ids, decoding, eos_token_id=[])
         loop = engine.steps()
+        warm_up = time.perf_counter()
         for _ in range(4):  # prefill, then warm-up steps
             next(loop)
+        warm_up = time.perf_counter() - warm_up
+        if tree == "plain":
+            started = time.time() - psutil.Process().create_time()
+            print(f"first timed step {started:.1f} s after the process started")
         TIMES.clear()
         PASS_ROWS.clear()
         start = time.perf_counter()
@@ -96,7 +107,7 @@ def main() -> None:
         total = time.perf_counter() - start
         rows = sorted(PASS_ROWS)[len(PASS_ROWS) // 2]
         print(f"\ntree {tree}: {rows} tokens per pass (median; the tree has {engine.tree.size}), "
-              f"{total / args.steps * 1000:.1f} ms per step")
+              f"{total / args.steps * 1000:.1f} ms per step; prefill + 3 warm-up steps {warm_up:.1f} s")
         parts = [(label, TIMES[label]) for _, _, label in PARTS]
         for label, seconds in [*parts, ("masks, positions, Python", total - sum(s for _, s in parts))]:
             print(f"  {label:32s} {seconds / args.steps * 1000:7.2f} ms  {seconds / total:6.1%}")
