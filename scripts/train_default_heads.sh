@@ -15,6 +15,9 @@ PROMPTS=${PROMPTS:-12540}
 ANSWERS=${ANSWERS:-data/default-heads.answers.jsonl.gz}   # the answers alone, committed: a fresh checkout reuses them
 EPOCHS=${EPOCHS:-3}
 DRAFT_EPOCHS=${DRAFT_EPOCHS:-2}   # the EAGLE-style draft's
+# the frozen backbone's hidden states, shared by the heads and the draft: kept outside the checkout, so a later run
+# (another session's, a larger PROMPTS) computes only the conversations not yet cached
+HIDDEN_CACHE=${HIDDEN_CACHE:-${MEDUSA_HEADS_CACHE:-$HOME/.cache/medusa-heads}/hidden-cache}
 HEADS=${HEADS:-4}
 LAYERS=${LAYERS:-2}
 MEDUSA=.venv/bin/medusa
@@ -32,7 +35,8 @@ time "$MEDUSA" distill --prompts "$DATA/train_prompts.jsonl" --sample 12790 --se
 resume=()
 [ -d "$WORK/heads/checkpoint" ] && resume=(--resume)
 time "$MEDUSA" train --data "$WORK/distilled.jsonl" --out "$WORK/heads" --num-heads "$HEADS" --num-layers "$LAYERS" \
-  --chained --projection shared --draft-vocab 8192 --epochs "$EPOCHS" --batch-size 8 --lr 1e-3 "${bf16[@]}" "${resume[@]}"
+  --chained --projection shared --draft-vocab 8192 --epochs "$EPOCHS" --batch-size 8 --lr 1e-3 --hidden-cache "$HIDDEN_CACHE" \
+  "${bf16[@]}" "${resume[@]}"
 
 time "$MEDUSA" calibrate --heads "$WORK/heads" --prompts "$DATA/train_prompts.jsonl" --exclude "$WORK/distilled.jsonl" \
   --limit 20 --out "$WORK/tree.json"
@@ -42,7 +46,7 @@ if [ "$DRAFT_EPOCHS" -gt 0 ]; then
   resume=()
   [ -d "$WORK/eagle/checkpoint" ] && resume=(--resume)
   time "$MEDUSA" train --draft eagle --draft-vocab 8192 --data "$WORK/distilled.jsonl" --out "$WORK/eagle" \
-    --hidden-cache "$WORK/heads/hidden-cache" --epochs "$DRAFT_EPOCHS" --batch-size 8 --lr 1e-3 "${bf16[@]}" "${resume[@]}"
+    --hidden-cache "$HIDDEN_CACHE" --epochs "$DRAFT_EPOCHS" --batch-size 8 --lr 1e-3 "${bf16[@]}" "${resume[@]}"
   time "$MEDUSA" calibrate --heads "$WORK/eagle" --prompts "$DATA/train_prompts.jsonl" --exclude "$WORK/distilled.jsonl" \
     --limit 20 --out "$WORK/eagle-tree.json"
 fi
