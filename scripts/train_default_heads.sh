@@ -15,12 +15,12 @@ PROMPTS=${PROMPTS:-12540}
 ANSWERS=${ANSWERS:-data/default-heads.answers.jsonl.gz}   # the answers alone, committed: a fresh checkout reuses them
 EPOCHS=${EPOCHS:-3}
 DRAFT_EPOCHS=${DRAFT_EPOCHS:-2}   # the EAGLE-style draft's
-# the frozen backbone's hidden states, shared by the heads and the draft: kept outside the checkout, so a later run
-# (another session's, a larger PROMPTS) computes only the conversations not yet cached
-HIDDEN_CACHE=${HIDDEN_CACHE:-${MEDUSA_HEADS_CACHE:-$HOME/.cache/medusa-heads}/hidden-cache}
 HEADS=${HEADS:-4}
 LAYERS=${LAYERS:-2}
 MEDUSA=.venv/bin/medusa
+# the frozen backbone's hidden states, shared by the heads and the draft: in the package's cache folder, outside the
+# checkout, so a later run (another session's, a larger PROMPTS) computes only the conversations not yet cached
+HIDDEN_CACHE=${HIDDEN_CACHE:-$(.venv/bin/python -c 'from medusa_heads import default; print(default.cache_dir())')/hidden-cache}
 mkdir -p "$WORK"
 [ -f "$DATA/train_prompts.jsonl" ] || { echo "$DATA/train_prompts.jsonl not found: set DATA=" >&2; exit 2; }
 
