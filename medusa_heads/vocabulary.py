@@ -50,9 +50,10 @@ class DraftVocabulary(nn.Module):
         return indices if self.token_map is None else self.token_map[indices]
 
     def shared_logits(self, states: torch.Tensor) -> torch.Tensor:
-        """Logits of states over the draft vocabulary (the whole vocabulary without one), by the base lm_head."""
+        """Logits of states over the draft vocabulary (the whole vocabulary without one), by the base lm_head
+        (over a draft vocabulary, in a decoding step on a CPU, by `speed.draft_linear`)."""
         if self.token_map is None:
             return self.base_lm_head(states.to(self.base_lm_head.weight.dtype))
         bias = getattr(self.base_lm_head, "bias", None)
         bias = None if bias is None else bias[self.token_map].to(self.draft_weight.dtype)
-        return speed.linear(states.to(self.draft_weight.dtype), self.draft_weight, bias)
+        return speed.draft_linear(states.to(self.draft_weight.dtype), self.draft_weight, bias)

@@ -47,6 +47,47 @@ def test_a_rows_product_does_not_depend_on_the_other_rows():
             assert torch.equal(stream_linear(x[rows - 1 : rows + 1], weight, bias), whole[rows - 1 : rows + 1])
 
 
+@pytest.mark.parametrize("rows", [1, 5, 9])
+def test_bfloat16_weights_widen_exactly(rows):
+    """Over a bfloat16 weight the kernel computes exactly what it computes over the same values in float32."""
+    generator = torch.Generator().manual_seed(rows)
+    for inputs in (7, 579):
+        x = torch.randn(rows, inputs, generator=generator)
+        weight, bias = torch.randn(41, inputs, generator=generator).bfloat16(), torch.randn(41, generator=generator)
+        assert torch.equal(stream_linear(x, weight, bias), stream_linear(x, weight.float(), bias))
+
+
+def test_a_draft_projects_through_a_bfloat16_copy_within_a_decoding_step_only(monkeypatch):
+    heads = MedusaModel.from_pretrained(tiny_model("llama", dtype=torch.float32), num_heads=2, projection="shared",
+                                        draft_vocab=12).heads
+    states = torch.randn(3, heads.config.hidden_size)
+    with torch.inference_mode():
+        assert torch.allclose(heads.shared_logits(states), F.linear(states, heads.draft_weight))  # training's
+        for token_map in (torch.arange(12), torch.arange(4, 16)):
+            heads.set_token_map(token_map)  # new rows in the same weight: the copy follows them
+            with speed.decoding_step():
+                drafted = heads.shared_logits(states)
+            assert torch.equal(drafted, stream_linear(states, heads.draft_weight.bfloat16(), None))
+        monkeypatch.setattr(speed, "DRAFT_BF16", False)
+        with speed.decoding_step():
+            assert torch.allclose(heads.shared_logits(states), F.linear(states, heads.draft_weight))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_with_bfloat16_drafts_equals_transformers(arch, monkeypatch):
+    """The heads' guesses round differently in bfloat16; what is emitted does not."""
+    model = randomize_heads(MedusaModel.from_pretrained(tiny_model(arch, dtype=torch.float32), num_heads=3,
+                                                        projection="shared", draft_vocab=12, next_token=True,
+                                                        chained=True))
+    weights = []
+    monkeypatch.setattr(speed, "stream_linear", lambda x, w, b, real=speed.stream_linear: weights.append(w.dtype)
+                        or real(x, w, b))
+    ids = torch.tensor([[5, 9, 3, 7, 5, 9, 3, 7]])
+    out = model.generate(ids, max_new_tokens=24, tree="default", eos_token_id=[])
+    assert weights and set(weights) == {torch.bfloat16}  # the drafts' products (the base's take the routes)
+    assert out.new_tokens[0] == hf_greedy(model.base_model, ids, 24, eos_token_id=[])[0, ids.shape[1]:].tolist()
+
+
 def test_refuses_what_it_does_not_compute():
     x, weight = torch.randn(2, 16), torch.randn(8, 16)
     with pytest.raises(RuntimeError, match="float32"):

@@ -1,5 +1,6 @@
 // y = x W^T + b in float32 for a few rows of x: each row of W is read once from memory for all of them, so a
 // decoding step's products run at the memory's speed (oneDNN and MKL reorder or block for larger products).
+// W is float32, or bfloat16 (half the memory to read; widened to float32 exactly, then summed as float32).
 // Built for the CPU at hand (-march=native) by medusa_heads/kernels.py; needs AVX2 and FMA.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -11,49 +12,65 @@ namespace {
 constexpr int64_t kRows = 8;      // rows of x per pass over a row of W (their 8 sums stay in registers, 8 chains of
                                   // fused multiply-adds in flight: 6-12 rows ~20 % faster than in fours on a Zen 3)
 constexpr int64_t kOutputs = 16;  // rows of W per parallel work item
-constexpr int64_t kAhead = 256;   // floats of W fetched ahead of the sums (1 KB: a few % on a Zen 3, at any rows)
+constexpr int64_t kAhead = 1024;  // bytes of W fetched ahead of the sums (a few % on a Zen 3, at any rows)
+
+inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 load8(const at::BFloat16* w) {  // a bfloat16 is the high half of a float32
+  const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+}
 
 // y[m] = w . x[m] (+ b) for R rows of x and one row of w (R known at compile time: the R sums stay in registers,
 // and each load of w serves R products). Each sum runs in the same order whatever R is, so a row's product is
 // the same in a pass of one row as in a pass of many.
-template <int R>
-void dot_tile(const float* __restrict w, const float* __restrict x, int64_t K, float* __restrict y, int64_t N,
+template <int R, typename T>
+void dot_tile(const T* __restrict w, const float* __restrict x, int64_t K, float* __restrict y, int64_t N,
               const float* __restrict b) {
+  constexpr int64_t line = 64 / sizeof(T), ahead = kAhead / sizeof(T);  // weights per cache line, fetched ahead
   __m256 sums[R];
   for (int m = 0; m < R; ++m) sums[m] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
-    if ((k & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k + kAhead), _MM_HINT_T0);  // one a line
-    const __m256 wk = _mm256_loadu_ps(w + k);
+    if (k % line == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k + ahead), _MM_HINT_T0);
+    const __m256 wk = load8(w + k);
     for (int m = 0; m < R; ++m) sums[m] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + m * K + k), sums[m]);
   }
   for (int m = 0; m < R; ++m) {
     float s = medusa_heads::horizontal_sum(sums[m]);
-    for (int64_t j = k; j < K; ++j) s += w[j] * x[m * K + j];
+    for (int64_t j = k; j < K; ++j) s += float(w[j]) * x[m * K + j];
     y[m * N] = b ? s + *b : s;
   }
 }
 
-template <int R = kRows>
-void dot_rows(const float* w, const float* x, int64_t rows, int64_t K, float* y, int64_t N, const float* b) {
+template <typename T, int R = kRows>
+void dot_rows(const T* w, const float* x, int64_t rows, int64_t K, float* y, int64_t N, const float* b) {
   if constexpr (R > 1) {
-    if (rows < R) return dot_rows<R - 1>(w, x, rows, K, y, N, b);
+    if (rows < R) return dot_rows<T, R - 1>(w, x, rows, K, y, N, b);
   }
   dot_tile<R>(w, x, K, y, N, b);
+}
+
+template <typename T>
+void products(const T* W, const float* X, int64_t M, int64_t K, int64_t N, const float* B, float* Y) {
+  at::parallel_for(0, (N + kOutputs - 1) / kOutputs, 1, [=](int64_t begin, int64_t end) {
+    for (int64_t n = begin * kOutputs; n < std::min(end * kOutputs, N); ++n)
+      for (int64_t m = 0; m < M; m += kRows)
+        dot_rows(W + n * K, X + m * K, std::min(kRows, M - m), K, Y + m * N + n, N, B ? B + n : nullptr);
+  });
 }
 
 }  // namespace
 
 torch::Tensor medusa_heads::stream_linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32, "stream_linear: x must be float32 on the CPU");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32 && weight.is_contiguous(),
-              "stream_linear: weight must be a contiguous float32 matrix");
+  const bool halves = weight.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(weight.dim() == 2 && (halves || weight.scalar_type() == torch::kFloat32) && weight.is_contiguous(),
+              "stream_linear: weight must be a contiguous float32 or bfloat16 matrix");
   TORCH_CHECK(x.size(-1) == weight.size(1), "stream_linear: x and weight sizes differ");
   const auto rows = x.reshape({-1, x.size(-1)}).contiguous();
   const int64_t M = rows.size(0), K = rows.size(1), N = weight.size(0);
   auto out = torch::empty({M, N}, x.options());
   const float* X = rows.data_ptr<float>();
-  const float* W = weight.data_ptr<float>();
   const float* B = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous(),
@@ -61,11 +78,10 @@ torch::Tensor medusa_heads::stream_linear(const torch::Tensor& x, const torch::T
     B = bias->data_ptr<float>();
   }
   float* Y = out.data_ptr<float>();
-  at::parallel_for(0, (N + kOutputs - 1) / kOutputs, 1, [=](int64_t begin, int64_t end) {
-    for (int64_t n = begin * kOutputs; n < std::min(end * kOutputs, N); ++n)
-      for (int64_t m = 0; m < M; m += kRows)
-        dot_rows(W + n * K, X + m * K, std::min(kRows, M - m), K, Y + m * N + n, N, B ? B + n : nullptr);
-  });
+  if (halves)
+    products(weight.data_ptr<at::BFloat16>(), X, M, K, N, B, Y);
+  else
+    products(weight.data_ptr<float>(), X, M, K, N, B, Y);
   auto shape = x.sizes().vec();
   shape.back() = N;
   return out.reshape(shape);
