@@ -1,6 +1,7 @@
 """The C++ kernels of a CPU decoding step (`csrc/`), compiled on first use for the CPU at hand: the "stream"
 linear product (`csrc/stream_linear.cpp`: a float32 product over a few rows that reads each weight row once for all
-of them, so that a decoding step's products run at the memory's speed; a kernel route of `medusa_heads.speed`) and
+of them, so that a decoding step's products run at the memory's speed; a kernel route of `medusa_heads.speed`; over
+bfloat16 weights for drafts, `speed.draft_linear`) and
 the fused small operations of a Llama-family layer (`csrc/decoder_ops.cpp`) and the attention of a pass of a few
 tokens (`csrc/attention.cpp`), used by `medusa_heads.lean`. They are
 built with torch's C++ extension tools (a C++ compiler and ninja; -march=native; about 40 s, once per machine, torch
