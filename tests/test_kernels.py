@@ -43,7 +43,8 @@ def test_a_rows_product_does_not_depend_on_the_other_rows():
         x = torch.randn(20, inputs, generator=generator)
         weight, bias = torch.randn(37, inputs, generator=generator), torch.randn(37, generator=generator)
         whole = stream_linear(x, weight, bias)
-        for rows in range(1, 20):
+        for rows in range(1, 20):  # one row alone, every tile height, and passes of several tiles
+            assert torch.equal(stream_linear(x[:rows], weight, bias), whole[:rows])
             assert torch.equal(stream_linear(x[rows - 1 : rows + 1], weight, bias), whole[rows - 1 : rows + 1])
 
 
