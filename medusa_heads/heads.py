@@ -7,10 +7,12 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from . import kernels, speed
 from .tree import Level
 from .vocabulary import DraftVocabulary
 
 PROJECTIONS = ("own", "shared")
+_NONE = torch.empty(0)  # what the C++ draft takes for a bias the projection does not have
 
 
 @dataclass
@@ -133,6 +135,8 @@ class MedusaHeads(DraftVocabulary):
     def draft(self, hidden: torch.Tensor, root: torch.Tensor, levels: list[Level], topk: int) -> torch.Tensor:
         """Candidate tokens of a tree's head nodes, (B, nodes - 1), for rows whose last accepted
         hidden state is hidden (B, H) and whose next token (the tree's root) is root (B,)."""
+        if self.config.chained and speed.native_draft(hidden) and self._dtype == self.base_lm_head.weight.dtype:
+            return self._native_draft(hidden, root, levels, topk)
         tokens = root.new_empty(root.shape[0], 1 + sum(len(level.children) for level in levels))
         tokens[:, 0] = root
         if not self.config.chained:  # all nodes of a depth take from one top-k list
@@ -146,6 +150,25 @@ class MedusaHeads(DraftVocabulary):
             top = self.token_ids(self.project(state, k).topk(topk, dim=-1).indices)  # (B, sources, topk)
             tokens[:, level.children] = top[:, level.source_of_child, level.ranks]
         return tokens[:, 1:]
+
+    def _native_draft(self, hidden: torch.Tensor, root: torch.Tensor, levels: list[Level], topk: int) -> torch.Tensor:
+        """`draft` of chained heads as one C++ call (`csrc/draft_heads.cpp`): the same operations, the products by
+        the stream kernel, the draft vocabulary's projection over `speed.draft_weight`."""
+        params: list[torch.Tensor] = []
+        for k in range(len(levels)):
+            params.append(self.token_inputs[k].weight)
+            for block in self.blocks[k]:
+                params += [block.linear.weight, block.linear.bias]
+            if self.projections is not None:
+                weight, bias = self.projections[k].weight, self.projections[k].bias
+            else:
+                weight, bias = self.shared_projection()
+                weight = weight if self.token_map is None else speed.draft_weight(weight)
+            params += [weight, _NONE if bias is None else bias]
+        parts = [t for level in levels for t in (level.sources, level.parents, level.children, level.source_of_child,
+                                                 level.ranks)]
+        return kernels.load().chained_draft(hidden, root, self.base_lm_head.weight, torch.finfo(hidden.dtype).eps,
+                                            params, self.config.num_layers, parts, topk, self.token_map)
 
     def _token_features(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """The RMS-normalised lm_head rows of these tokens, for next_token heads (else None)."""

@@ -1,13 +1,14 @@
 """The C++ kernels of a CPU decoding step (`csrc/`), compiled on first use for the CPU at hand: the "stream"
 linear product (`csrc/stream_linear.cpp`: a float32 product over a few rows that reads each weight row once for all
 of them, so that a decoding step's products run at the memory's speed; a kernel route of `medusa_heads.speed`; over
-bfloat16 weights for drafts, `speed.draft_linear`) and
-the fused small operations of a Llama-family layer (`csrc/decoder_ops.cpp`) and the attention of a pass of a few
-tokens (`csrc/attention.cpp`), used by `medusa_heads.lean`. They are
-built with torch's C++ extension tools (a C++ compiler and ninja; -march=native; about 40 s, once per machine, torch
-version and source) into torch's extension folder. Where they cannot be built (no compiler, no AVX2/FMA, not x86) a
-warning says why and decoding does without them: the probe (`speed.probe_routes`) leaves the stream route out, and
-the lean decoder runs transformers' own operations. Set MEDUSA_HEADS_KERNELS=0 to do without them."""
+bfloat16 weights for drafts, `speed.draft_linear`), the fused small operations of a Llama-family layer
+(`csrc/decoder_ops.cpp`) and the attention of a pass of a few tokens (`csrc/attention.cpp`), used by
+`medusa_heads.lean`, and chained Medusa heads' draft of a tree (`csrc/draft_heads.cpp`, `speed.native_draft`).
+They are built with torch's C++ extension tools (a C++ compiler and ninja; -march=native; 1-3 minutes on 2 cores,
+once per machine, torch version and source) into torch's extension folder. Where they cannot be built (no
+compiler, no AVX2/FMA, not x86) a warning says why and decoding does without them: the probe
+(`speed.probe_routes`) leaves the stream route out, and the lean decoder runs transformers' own operations. Set
+MEDUSA_HEADS_KERNELS=0 to do without them."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def load():
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
     folder = root / name
     if not (folder / f"{name}.so").exists():
-        print("medusa-heads: compiling the decoding kernels for this CPU (once, ~40 s)", file=sys.stderr, flush=True)
+        print("medusa-heads: compiling the decoding kernels for this CPU (once, 1-3 minutes)", file=sys.stderr,
+              flush=True)
     folder.mkdir(parents=True, exist_ok=True)
     lock = folder / "lock"  # torch's build lock: one left by a build killed midway would make every load wait
     if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
@@ -72,9 +74,11 @@ def load():
     return module
 
 
-def stream_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x weight^T + bias by the stream kernel (RuntimeError where it is not available or not applicable)."""
+def stream_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  draft: bool = False) -> torch.Tensor:
+    """x weight^T + bias by the stream kernel (RuntimeError where it is not available or not applicable); draft: a
+    draft's product, whose sums may round in another order than a base model's (faster where the caches hold it)."""
     module = load()
     if module is None:
         raise RuntimeError("the stream kernel is not available on this machine")
-    return module.stream_linear(x, weight, bias)
+    return module.stream_linear(x, weight, bias, draft)

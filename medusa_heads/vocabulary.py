@@ -49,11 +49,16 @@ class DraftVocabulary(nn.Module):
         """Token ids of positions in the draft's logits."""
         return indices if self.token_map is None else self.token_map[indices]
 
+    def shared_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight and bias of `shared_logits`: the base lm_head's, or their draft vocabulary's rows."""
+        bias = getattr(self.base_lm_head, "bias", None)
+        if self.token_map is None:
+            return self.base_lm_head.weight, bias
+        return self.draft_weight, None if bias is None else bias[self.token_map].to(self.draft_weight.dtype)
+
     def shared_logits(self, states: torch.Tensor) -> torch.Tensor:
         """Logits of states over the draft vocabulary (the whole vocabulary without one), by the base lm_head
         (over a draft vocabulary, in a decoding step on a CPU, by `speed.draft_linear`)."""
         if self.token_map is None:
             return self.base_lm_head(states.to(self.base_lm_head.weight.dtype))
-        bias = getattr(self.base_lm_head, "bias", None)
-        bias = None if bias is None else bias[self.token_map].to(self.draft_weight.dtype)
-        return speed.draft_linear(states.to(self.draft_weight.dtype), self.draft_weight, bias)
+        return speed.draft_linear(states.to(self.draft_weight.dtype), *self.shared_projection())

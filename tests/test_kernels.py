@@ -16,6 +16,7 @@ from medusa_heads import MedusaModel, adapter, kernels, lean, speed
 from medusa_heads import decoder as decoder_module
 from medusa_heads.cache import TreeCache
 from medusa_heads.kernels import stream_linear
+from medusa_heads.tree import Tree
 from medusa_heads.tuning import cpu_info
 
 BUILDABLE = shutil.which("c++") is not None and platform.machine() == "x86_64" and {"avx2", "fma"} <= cpu_info()[1]
@@ -68,21 +69,67 @@ def test_a_draft_projects_through_a_bfloat16_copy_within_a_decoding_step_only(mo
             heads.set_token_map(token_map)  # new rows in the same weight: the copy follows them
             with speed.decoding_step():
                 drafted = heads.shared_logits(states)
-            assert torch.equal(drafted, stream_linear(states, heads.draft_weight.bfloat16(), None))
+            assert torch.equal(drafted, stream_linear(states, heads.draft_weight.bfloat16(), None, draft=True))
         monkeypatch.setattr(speed, "DRAFT_BF16", False)
         with speed.decoding_step():
             assert torch.allclose(heads.shared_logits(states), F.linear(states, heads.draft_weight))
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
+def test_a_drafts_products_equal_linear(rows):
+    """A draft's products sum in another order (4 chains a row), over float32 or bfloat16 weights."""
+    generator = torch.Generator().manual_seed(rows)
+    for inputs in (7, 40, 579):  # below, at and off the chains' 32-wide steps
+        x = torch.randn(rows, inputs, generator=generator)
+        weight, bias = torch.randn(37, inputs, generator=generator), torch.randn(37, generator=generator)
+        for w in (weight, weight.bfloat16()):
+            expected = F.linear(x, w.float(), bias)
+            assert torch.allclose(stream_linear(x, w, bias, draft=True), expected, rtol=1e-5, atol=1e-4)
+
+
+def chained_heads(arch: str, **kwargs) -> MedusaModel:
+    return randomize_heads(MedusaModel.from_pretrained(tiny_model(arch, dtype=torch.float32), num_heads=3,
+                                                       next_token=True, chained=True, **kwargs))
+
+
+@pytest.mark.parametrize("projection", [dict(projection="shared", draft_vocab=12), dict(projection="shared"),
+                                        dict(projection="own")])
+def test_a_native_draft_proposes_what_the_heads_modules_propose(projection, monkeypatch):
+    heads = chained_heads("llama", **projection).heads
+    tree = Tree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    hidden = torch.randn(2, heads.config.hidden_size, generator=torch.Generator().manual_seed(0)) * 3
+    root = torch.tensor([5, 9])
+    calls = []
+    real = heads._native_draft
+    monkeypatch.setattr(heads, "_native_draft", lambda *a: calls.append(1) or real(*a))
+    with torch.inference_mode(), speed.decoding_step():
+        native = heads.draft(hidden, root, tree.levels(), tree.topk)
+        monkeypatch.setattr(speed, "NATIVE_DRAFT", False)
+        modules = heads.draft(hidden, root, tree.levels(), tree.topk)
+    assert calls == [1] and torch.equal(native, modules)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_with_native_drafts_equals_transformers(arch, monkeypatch):
+    model = chained_heads(arch, projection="shared", draft_vocab=12)
+    calls = []
+    real = model.heads._native_draft
+    monkeypatch.setattr(model.heads, "_native_draft", lambda *a: calls.append(1) or real(*a))
+    ids = torch.tensor([[5, 9, 3, 7, 5, 9, 3, 7], [4, 8, 6, 2, 6, 2, 6, 2]])
+    out = model.generate(ids, max_new_tokens=24, tree="default", eos_token_id=[])
+    assert calls  # the heads drafted by the C++ call
+    for row, tokens in zip(ids, out.new_tokens, strict=True):
+        assert tokens == hf_greedy(model.base_model, row[None], 24, eos_token_id=[])[0, ids.shape[1]:].tolist()
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_greedy_with_bfloat16_drafts_equals_transformers(arch, monkeypatch):
     """The heads' guesses round differently in bfloat16; what is emitted does not."""
-    model = randomize_heads(MedusaModel.from_pretrained(tiny_model(arch, dtype=torch.float32), num_heads=3,
-                                                        projection="shared", draft_vocab=12, next_token=True,
-                                                        chained=True))
+    model = chained_heads(arch, projection="shared", draft_vocab=12)
+    monkeypatch.setattr(speed, "NATIVE_DRAFT", False)  # the heads' modules: their products in Python
     weights = []
-    monkeypatch.setattr(speed, "stream_linear", lambda x, w, b, real=speed.stream_linear: weights.append(w.dtype)
-                        or real(x, w, b))
+    monkeypatch.setattr(speed, "stream_linear", lambda x, w, b, draft=False, real=speed.stream_linear:
+                        weights.append(w.dtype) or real(x, w, b, draft))
     ids = torch.tensor([[5, 9, 3, 7, 5, 9, 3, 7]])
     out = model.generate(ids, max_new_tokens=24, tree="default", eos_token_id=[])
     assert weights and set(weights) == {torch.bfloat16}  # the drafts' products (the base's take the routes)

@@ -2,10 +2,12 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace medusa_heads;
-  m.def("stream_linear", &stream_linear, "x W^T + b, each row of W read once for all rows of x (float32, CPU)");
+  m.def("stream_linear", &stream_linear, "x W^T + b, each row of W read once for all rows of x (float32, CPU)",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("draft") = false);
   m.def("rms_norm", &rms_norm, "hidden += delta (in place, when given); weight * hidden / rms(hidden) per row");
   m.def("rotary_write", &rotary_write, "rotary queries (returned) and keys; keys and values written into the cache");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("attend", &attend, "softmax(q k^T scale + mask) v for a few queries over the cache (see attention.cpp)");
+  m.def("chained_draft", &chained_draft, "chained Medusa heads' candidates for a tree's head nodes (see draft_heads.cpp)");
   m.def("decoder_layers", &decoder_layers, "a Llama-family decoder's layers for one pass (see decoder_layers.cpp)");
 }

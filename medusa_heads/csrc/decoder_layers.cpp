@@ -17,7 +17,7 @@ c10::optional<torch::Tensor> bias_of(const torch::Tensor& bias) {
 }
 
 torch::Tensor product(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, int64_t route) {
-  if (route == kStream) return medusa_heads::stream_linear(x, weight, bias_of(bias));
+  if (route == kStream) return medusa_heads::stream_linear(x, weight, bias_of(bias), false);
   if (route == kPacked) {  // oneDNN's linear over the weight's packed copy (what speed._packed_linear calls)
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")

@@ -7,12 +7,15 @@
 
 namespace medusa_heads {
 
-// y = weight * x / sqrt(mean(x^2) + eps) over one row of K values (the squares summed in double)
+// y = weight * x / sqrt(mean(x^2) + eps) over one row of K values (the squares summed in double; no weight: 1)
 inline void norm_row(const float* x, const float* weight, int64_t K, float eps, float* y) {
   double squares = 0;
   for (int64_t k = 0; k < K; ++k) squares += double(x[k]) * x[k];
   const float scale = 1.0f / std::sqrt(float(squares / K) + eps);
-  for (int64_t k = 0; k < K; ++k) y[k] = weight[k] * (x[k] * scale);
+  if (weight)
+    for (int64_t k = 0; k < K; ++k) y[k] = weight[k] * (x[k] * scale);
+  else
+    for (int64_t k = 0; k < K; ++k) y[k] = x[k] * scale;
 }
 
 inline float horizontal_sum(__m256 v) {
@@ -36,8 +39,21 @@ inline __m256 exp8(__m256 x) {
   return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(scale)), zero_below);
 }
 
+// g / (1 + e^-g) for 8 floats
+inline __m256 silu8(__m256 g) {
+  const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+  return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+// Y (M, N) = X (M, K) W^T (+ B) by the stream kernel, for float32 or bfloat16 W (stream_linear.cpp). draft: a
+// draft's product, whose sums may round in another order (faster where the caches hold W)
+void stream_products(const float* W, const float* X, int64_t M, int64_t K, int64_t N, const float* B, float* Y,
+                     bool draft);
+void stream_products(const at::BFloat16* W, const float* X, int64_t M, int64_t K, int64_t N, const float* B, float* Y,
+                     bool draft);
+
 torch::Tensor stream_linear(const torch::Tensor& x, const torch::Tensor& weight,
-                            const c10::optional<torch::Tensor>& bias);
+                            const c10::optional<torch::Tensor>& bias, bool draft);
 torch::Tensor rms_norm(torch::Tensor& hidden, const torch::Tensor& weight, double eps,
                        const c10::optional<torch::Tensor>& delta);
 torch::Tensor rotary_write(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
@@ -53,5 +69,9 @@ torch::Tensor decoder_layers(torch::Tensor hidden, const std::vector<torch::Tens
                              const torch::Tensor& rows, const torch::Tensor& slots,
                              const c10::optional<torch::Tensor>& subset, int64_t visible,
                              const std::vector<c10::optional<torch::Tensor>>& masks, double scaling);
+torch::Tensor chained_draft(const torch::Tensor& hidden, const torch::Tensor& root, const torch::Tensor& embeddings,
+                            double eps, const std::vector<torch::Tensor>& params, int64_t layers,
+                            const std::vector<torch::Tensor>& levels, int64_t topk,
+                            const c10::optional<torch::Tensor>& token_map);
 
 }  // namespace medusa_heads

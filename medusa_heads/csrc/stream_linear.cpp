@@ -13,6 +13,8 @@ constexpr int64_t kRows = 8;      // rows of x per pass over a row of W (their 8
                                   // fused multiply-adds in flight: 6-12 rows ~20 % faster than in fours on a Zen 3)
 constexpr int64_t kOutputs = 16;  // rows of W per parallel work item
 constexpr int64_t kAhead = 1024;  // bytes of W fetched ahead of the sums (a few % on a Zen 3, at any rows)
+constexpr int kChains = 4;          // a draft's sums: chains per row (chained_tile)
+constexpr int64_t kChainedRows = 3; // and rows per pass over a row of W (their 12 sums stay in registers)
 
 inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
 inline __m256 load8(const at::BFloat16* w) {  // a bfloat16 is the high half of a float32
@@ -42,26 +44,73 @@ void dot_tile(const T* __restrict w, const float* __restrict x, int64_t K, float
   }
 }
 
-template <typename T, int R = kRows>
-void dot_rows(const T* w, const float* x, int64_t rows, int64_t K, float* y, int64_t N, const float* b) {
-  if constexpr (R > 1) {
-    if (rows < R) return dot_rows<T, R - 1>(w, x, rows, K, y, N, b);
+// the same for a draft's products (any order of the sums will do): each row's sum in kChains chains of fused
+// multiply-adds, so that the adds' latency does not bound a product whose W the caches hold (a draft's
+// projection, 8,192 x 576 in bfloat16: 4x faster with warm caches on a Zen 3)
+template <int R, typename T>
+void chained_tile(const T* __restrict w, const float* __restrict x, int64_t K, float* __restrict y, int64_t N,
+                  const float* __restrict b) {
+  constexpr int64_t line = 64 / sizeof(T), ahead = kAhead / sizeof(T);
+  __m256 sums[R][kChains];
+  for (int m = 0; m < R; ++m)
+    for (int c = 0; c < kChains; ++c) sums[m][c] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 * kChains <= K; k += 8 * kChains) {
+    if (k % line == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k + ahead), _MM_HINT_T0);
+    for (int c = 0; c < kChains; ++c) {
+      const __m256 wk = load8(w + k + 8 * c);
+      for (int m = 0; m < R; ++m) sums[m][c] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + m * K + k + 8 * c), sums[m][c]);
+    }
   }
-  dot_tile<R>(w, x, K, y, N, b);
+  for (; k + 8 <= K; k += 8) {
+    const __m256 wk = load8(w + k);
+    for (int m = 0; m < R; ++m) sums[m][0] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + m * K + k), sums[m][0]);
+  }
+  for (int m = 0; m < R; ++m) {
+    __m256 sum = sums[m][0];
+    for (int c = 1; c < kChains; ++c) sum = _mm256_add_ps(sum, sums[m][c]);
+    float s = medusa_heads::horizontal_sum(sum);
+    for (int64_t j = k; j < K; ++j) s += float(w[j]) * x[m * K + j];
+    y[m * N] = b ? s + *b : s;
+  }
 }
 
-template <typename T>
+template <typename T, int R, bool chained>
+void dot_rows(const T* w, const float* x, int64_t rows, int64_t K, float* y, int64_t N, const float* b) {
+  if constexpr (R > 1) {
+    if (rows < R) return dot_rows<T, R - 1, chained>(w, x, rows, K, y, N, b);
+  }
+  if constexpr (chained)
+    chained_tile<R>(w, x, K, y, N, b);
+  else
+    dot_tile<R>(w, x, K, y, N, b);
+}
+
+template <bool chained, typename T>
 void products(const T* W, const float* X, int64_t M, int64_t K, int64_t N, const float* B, float* Y) {
+  constexpr int64_t tile = chained ? kChainedRows : kRows;
   at::parallel_for(0, (N + kOutputs - 1) / kOutputs, 1, [=](int64_t begin, int64_t end) {
     for (int64_t n = begin * kOutputs; n < std::min(end * kOutputs, N); ++n)
-      for (int64_t m = 0; m < M; m += kRows)
-        dot_rows(W + n * K, X + m * K, std::min(kRows, M - m), K, Y + m * N + n, N, B ? B + n : nullptr);
+      for (int64_t m = 0; m < M; m += tile)
+        dot_rows<T, tile, chained>(W + n * K, X + m * K, std::min(tile, M - m), K, Y + m * N + n, N,
+                                   B ? B + n : nullptr);
   });
 }
 
 }  // namespace
 
-torch::Tensor medusa_heads::stream_linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+void medusa_heads::stream_products(const float* W, const float* X, int64_t M, int64_t K, int64_t N, const float* B,
+                                   float* Y, bool draft) {
+  draft ? products<true>(W, X, M, K, N, B, Y) : products<false>(W, X, M, K, N, B, Y);
+}
+
+void medusa_heads::stream_products(const at::BFloat16* W, const float* X, int64_t M, int64_t K, int64_t N,
+                                   const float* B, float* Y, bool draft) {
+  draft ? products<true>(W, X, M, K, N, B, Y) : products<false>(W, X, M, K, N, B, Y);
+}
+
+torch::Tensor medusa_heads::stream_linear(const torch::Tensor& x, const torch::Tensor& weight,
+                                         const c10::optional<torch::Tensor>& bias, bool draft) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32, "stream_linear: x must be float32 on the CPU");
   const bool halves = weight.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(weight.dim() == 2 && (halves || weight.scalar_type() == torch::kFloat32) && weight.is_contiguous(),
@@ -79,9 +128,9 @@ torch::Tensor medusa_heads::stream_linear(const torch::Tensor& x, const torch::T
   }
   float* Y = out.data_ptr<float>();
   if (halves)
-    products(weight.data_ptr<at::BFloat16>(), X, M, K, N, B, Y);
+    stream_products(weight.data_ptr<at::BFloat16>(), X, M, K, N, B, Y, draft);
   else
-    products(weight.data_ptr<float>(), X, M, K, N, B, Y);
+    stream_products(weight.data_ptr<float>(), X, M, K, N, B, Y, draft);
   auto shape = x.sizes().vec();
   shape.back() = N;
   return out.reshape(shape);
