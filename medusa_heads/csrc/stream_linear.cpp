@@ -56,7 +56,8 @@ void chained_tile(const T* __restrict w, const float* __restrict x, int64_t K, f
     for (int c = 0; c < kChains; ++c) sums[m][c] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 * kChains <= K; k += 8 * kChains) {
-    if (k % line == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k + ahead), _MM_HINT_T0);
+    for (int64_t j = k; j < k + 8 * kChains; j += line)
+      _mm_prefetch(reinterpret_cast<const char*>(w + j + ahead), _MM_HINT_T0);
     for (int c = 0; c < kChains; ++c) {
       const __m256 wk = load8(w + k + 8 * c);
       for (int m = 0; m < R; ++m) sums[m][c] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + m * K + k + 8 * c), sums[m][c]);
