@@ -29,11 +29,11 @@ torch::Tensor product(const torch::Tensor& X, const torch::Tensor& W, const torc
   TORCH_CHECK(!b.numel() || (b.numel() == N && b.scalar_type() == torch::kFloat32 && b.is_contiguous()),
               "a head's bias must be a contiguous float32 vector of its outputs' size");
   auto Y = torch::empty({M, N}, X.options());
-  const float* B = b.numel() ? b.data_ptr<float>() : nullptr;
+  const float *x = X.data_ptr<float>(), *B = b.numel() ? b.data_ptr<float>() : nullptr;
   if (W.scalar_type() == torch::kBFloat16)
-    medusa_heads::stream_products(W.data_ptr<at::BFloat16>(), X.data_ptr<float>(), M, K, N, B, Y.data_ptr<float>(), true);
+    medusa_heads::stream_products(W.data_ptr<at::BFloat16>(), x, M, K, N, B, Y.data_ptr<float>(), true);
   else
-    medusa_heads::stream_products(W.data_ptr<float>(), X.data_ptr<float>(), M, K, N, B, Y.data_ptr<float>(), true);
+    medusa_heads::stream_products(W.data_ptr<float>(), x, M, K, N, B, Y.data_ptr<float>(), true);
   return Y;
 }
 
@@ -79,7 +79,7 @@ torch::Tensor medusa_heads::chained_draft(const torch::Tensor& hidden, const tor
   TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == torch::kFloat32 && hidden.dim() == 2,
               "chained_draft: hidden must be (B, H) float32 on the CPU");
   const int64_t B = hidden.size(0), H = hidden.size(1), per_head = 2 * layers + 3, depths = levels.size() / 5;
-  check_long(root, "chained_draft: root");
+  TORCH_CHECK(root.device().is_cpu() && root.scalar_type() == torch::kLong, "chained_draft: root must be int64");
   check_matrix(embeddings, H, "chained_draft: embeddings");
   TORCH_CHECK(embeddings.scalar_type() == torch::kFloat32, "chained_draft: embeddings must be float32");
   TORCH_CHECK(root.numel() == B && levels.size() % 5 == 0 && int64_t(params.size()) >= depths * per_head,
@@ -90,10 +90,11 @@ torch::Tensor medusa_heads::chained_draft(const torch::Tensor& hidden, const tor
   for (int64_t d = 0; d < depths; ++d) nodes += levels[5 * d + 2].numel();
   auto tokens = torch::empty({B, nodes}, root.options());
   int64_t* tok = tokens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) tok[b * nodes] = root.data_ptr<int64_t>()[b];
+  const auto roots = root.contiguous();
+  for (int64_t b = 0; b < B; ++b) tok[b * nodes] = roots.data_ptr<int64_t>()[b];
   const float* emb = embeddings.data_ptr<float>();
   torch::Tensor state = hidden.contiguous();  // (B * m, H): the previous depth's source states
-  int64_t previous = 1;                     // m: sources per row at the previous depth
+  int64_t previous = 1;                       // m: sources per row at the previous depth
   for (int64_t d = 0; d < depths; ++d) {
     const torch::Tensor* level = levels.data() + 5 * d;
     const int64_t *sources = level[0].data_ptr<int64_t>(), *parents = level[1].data_ptr<int64_t>();
@@ -109,7 +110,8 @@ torch::Tensor medusa_heads::chained_draft(const torch::Tensor& hidden, const tor
                     "chained_draft: a level's node out of range");
         const int64_t token = tok[b * nodes + sources[j]];
         TORCH_CHECK(token >= 0 && token < embeddings.size(0), "chained_draft: token out of range");
-        std::copy_n(state.data_ptr<float>() + (b * previous + parents[j]) * H, H, x.data_ptr<float>() + (b * m + j) * H);
+        const float* parent = state.data_ptr<float>() + (b * previous + parents[j]) * H;
+        std::copy_n(parent, H, x.data_ptr<float>() + (b * m + j) * H);
         norm_row(emb + token * H, nullptr, H, float(eps), features.data_ptr<float>() + (b * m + j) * H);
       }
     const torch::Tensor* p = params.data() + d * per_head;

@@ -13,8 +13,8 @@ constexpr int64_t kRows = 8;      // rows of x per pass over a row of W (their 8
                                   // fused multiply-adds in flight: 6-12 rows ~20 % faster than in fours on a Zen 3)
 constexpr int64_t kOutputs = 16;  // rows of W per parallel work item
 constexpr int64_t kAhead = 1024;  // bytes of W fetched ahead of the sums (a few % on a Zen 3, at any rows)
-constexpr int kChains = 4;          // a draft's sums: chains per row (chained_tile)
-constexpr int64_t kChainedRows = 3; // and rows per pass over a row of W (their 12 sums stay in registers)
+constexpr int kChains = 4;        // a draft's sums: chains per row (chained_tile)
+constexpr int64_t kChainedRows = 3;  // and its rows per pass over a row of W (their 12 sums stay in registers)
 
 inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
 inline __m256 load8(const at::BFloat16* w) {  // a bfloat16 is the high half of a float32
@@ -60,7 +60,8 @@ void chained_tile(const T* __restrict w, const float* __restrict x, int64_t K, f
       _mm_prefetch(reinterpret_cast<const char*>(w + j + ahead), _MM_HINT_T0);
     for (int c = 0; c < kChains; ++c) {
       const __m256 wk = load8(w + k + 8 * c);
-      for (int m = 0; m < R; ++m) sums[m][c] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + m * K + k + 8 * c), sums[m][c]);
+      for (int m = 0; m < R; ++m)
+        sums[m][c] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + m * K + k + 8 * c), sums[m][c]);
     }
   }
   for (; k + 8 <= K; k += 8) {
