@@ -179,8 +179,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def draft_weight(weight: torch.Tensor) -> torch.Tensor:
     """The weight a draft's product reads: within a decoding step on a CPU where the stream kernel is built, a
     bfloat16 copy of a float32 weight (made once per version of it); elsewhere the weight itself."""
-    halves = DRAFT_BF16 and weight.device.type == "cpu" and weight.dtype == torch.float32
-    if halves and _in_step.get() is not None and not torch.compiler.is_compiling() and kernels.load() is not None:
+    if DRAFT_BF16 and weight.device.type == "cpu" and weight.dtype == torch.float32 and _kernels_in_step():
         return _copy(_halves, weight, lambda w: w.to(torch.bfloat16))
     return weight
 
@@ -197,8 +196,12 @@ def draft_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def native_draft(hidden: torch.Tensor) -> bool:
     """Whether a draft of hidden states runs as one C++ call (`csrc/draft_heads.cpp`): float32 within a decoding
     step on a CPU, where the kernels are built."""
-    return (NATIVE_DRAFT and hidden.device.type == "cpu" and hidden.dtype == torch.float32
-            and _in_step.get() is not None and not torch.compiler.is_compiling() and kernels.load() is not None)
+    return NATIVE_DRAFT and hidden.device.type == "cpu" and hidden.dtype == torch.float32 and _kernels_in_step()
+
+
+def _kernels_in_step() -> bool:
+    """Whether this runs eagerly within a decoding step, with the C++ kernels built."""
+    return _in_step.get() is not None and not torch.compiler.is_compiling() and kernels.load() is not None
 
 
 class RoutedLinear(nn.Linear):

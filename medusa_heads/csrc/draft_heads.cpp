@@ -20,21 +20,9 @@ void check_matrix(const torch::Tensor& w, int64_t K, const char* name) {
               " must be a contiguous matrix of ", K, " columns on the CPU");
 }
 
-// Y (M, N) = X (M, K) W^T + b: float32 or bfloat16 W, b a float32 vector or empty
+// X W^T + b by the stream kernel in a draft's order of sums (b empty: no bias)
 torch::Tensor product(const torch::Tensor& X, const torch::Tensor& W, const torch::Tensor& b) {
-  check_matrix(W, X.size(1), "a head's weight");
-  TORCH_CHECK(W.scalar_type() == torch::kFloat32 || W.scalar_type() == torch::kBFloat16,
-              "a head's weight must be float32 or bfloat16");
-  const int64_t M = X.size(0), K = X.size(1), N = W.size(0);
-  TORCH_CHECK(!b.numel() || (b.numel() == N && b.scalar_type() == torch::kFloat32 && b.is_contiguous()),
-              "a head's bias must be a contiguous float32 vector of its outputs' size");
-  auto Y = torch::empty({M, N}, X.options());
-  const float *x = X.data_ptr<float>(), *B = b.numel() ? b.data_ptr<float>() : nullptr;
-  if (W.scalar_type() == torch::kBFloat16)
-    medusa_heads::stream_products(W.data_ptr<at::BFloat16>(), x, M, K, N, B, Y.data_ptr<float>(), true);
-  else
-    medusa_heads::stream_products(W.data_ptr<float>(), x, M, K, N, B, Y.data_ptr<float>(), true);
-  return Y;
+  return medusa_heads::stream_linear(X, W, b.numel() ? c10::optional<torch::Tensor>(b) : c10::nullopt, true);
 }
 
 // x += silu(y), elementwise over n floats (e^x by exp8, as silu_mul)

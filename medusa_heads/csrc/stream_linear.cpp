@@ -101,16 +101,6 @@ void products(const T* W, const float* X, int64_t M, int64_t K, int64_t N, const
 
 }  // namespace
 
-void medusa_heads::stream_products(const float* W, const float* X, int64_t M, int64_t K, int64_t N, const float* B,
-                                   float* Y, bool draft) {
-  draft ? products<true>(W, X, M, K, N, B, Y) : products<false>(W, X, M, K, N, B, Y);
-}
-
-void medusa_heads::stream_products(const at::BFloat16* W, const float* X, int64_t M, int64_t K, int64_t N,
-                                   const float* B, float* Y, bool draft) {
-  draft ? products<true>(W, X, M, K, N, B, Y) : products<false>(W, X, M, K, N, B, Y);
-}
-
 torch::Tensor medusa_heads::stream_linear(const torch::Tensor& x, const torch::Tensor& weight,
                                          const c10::optional<torch::Tensor>& bias, bool draft) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32, "stream_linear: x must be float32 on the CPU");
@@ -130,9 +120,11 @@ torch::Tensor medusa_heads::stream_linear(const torch::Tensor& x, const torch::T
   }
   float* Y = out.data_ptr<float>();
   if (halves)
-    stream_products(weight.data_ptr<at::BFloat16>(), X, M, K, N, B, Y, draft);
+    draft ? products<true>(weight.data_ptr<at::BFloat16>(), X, M, K, N, B, Y)
+          : products<false>(weight.data_ptr<at::BFloat16>(), X, M, K, N, B, Y);
   else
-    stream_products(weight.data_ptr<float>(), X, M, K, N, B, Y, draft);
+    draft ? products<true>(weight.data_ptr<float>(), X, M, K, N, B, Y)
+          : products<false>(weight.data_ptr<float>(), X, M, K, N, B, Y);
   auto shape = x.sizes().vec();
   shape.back() = N;
   return out.reshape(shape);
