@@ -51,6 +51,8 @@ class Plan:
                         Products(layer.self_attn, "o_proj"), layer.post_attention_layernorm,
                         Products(layer.mlp, "gate_proj", "up_proj"), Products(layer.mlp, "down_proj"))
                        for layer in body.layers]
+        self.elements = sum(weight.numel() for _, _, qkv, o, _, gate_up, down in self.layers
+                            for group in (qkv, o, gate_up, down) for weight, _ in group.weights)  # of the products
         self.routed = all(type(module) is speed.RoutedLinear for module in body.layers.modules()
                           if isinstance(module, nn.Linear))
         self.native = Native(self) if Native.runs(self) else None
@@ -61,7 +63,7 @@ class Plan:
         cache as `cache.prepare` set; mask: `adapter.attention_mask`'s, one per layer type or one for all."""
         hidden = self.body.embed_tokens(ids)
         cos, sin = self.body.rotary_emb(hidden, position_ids=positions)
-        route = speed.step_route(ids.numel(), hidden.dtype) if self.routed else "aten"
+        route = speed.step_route(ids.numel(), hidden.dtype, self.elements) if self.routed else "aten"
         masks = [mask[kind] for kind in self.layer_types] if isinstance(mask, dict) else [mask] * len(self.layers)
         if self.native:
             return self.native.forward(hidden, cos, sin, route, masks, cache)

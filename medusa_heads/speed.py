@@ -93,26 +93,46 @@ _PACKED_FOR_ROWS = 16  # the row count oneDNN picks the packed layout for
 class Routes:
     """The kernel route of a linear product by dtype and row count: per dtype name, the route chosen
     at each probed width; a product takes the choice of the smallest probed width >= its rows (the
-    largest beyond them). Dtypes not probed take the unprobed default."""
+    largest beyond them). Dtypes not probed take the unprobed default.
+
+    Packed copies cost time to make (SmolLM2-135M's: ~0.6 s on a 2-core AMD EPYC, what ten prefills of 30
+    tokens gain by them), so where the probe timed that (`packing`), products whose choice is packed take the
+    fastest other route until the time they lost by it reaches the time to pack, then the packed copies are made
+    (ski rental: at most twice the best choice in hindsight, for one prompt or for a server's thousands)."""
 
     widths: tuple[int, ...] = PROBE_WIDTHS
     choice: dict[str, tuple[str, ...]] = field(default_factory=dict)  # "torch.float32" -> route per width
     times: dict[str, dict[str, tuple[float, ...]]] = field(default_factory=dict)  # dtype -> route -> ms per width
+    packing: dict[str, tuple[float, int]] = field(default_factory=dict)  # dtype -> (ms to pack, elements packed)
+    lost: dict[str, float] = field(default_factory=dict, compare=False)  # dtype -> ms lost so far without packing
 
-    def route(self, rows: int, dtype: torch.dtype) -> str:
-        names = self.choice.get(str(dtype))
+    def route(self, rows: int, dtype: torch.dtype, elements: int = 0) -> str:
+        """The route of products of `rows` rows over `elements` weight elements in all (charged to the rental of
+        packed copies, when it runs)."""
+        key = str(dtype)
+        names = self.choice.get(key)
         if names is None:
             return "packed" if dtype == torch.float32 else "aten"
-        return names[min(bisect_left(self.widths, rows), len(names) - 1)]
+        width = min(bisect_left(self.widths, rows), len(names) - 1)
+        name = names[width]
+        if name != "packed" or key not in self.packing or self.lost.get(key, 0.0) >= self.packing[key][0]:
+            return name
+        times = self.times[key]
+        other = min((r for r in times if r != "packed"), key=lambda r: times[r][width])
+        self.lost[key] = self.lost.get(key, 0.0) + (times[other][width] - times["packed"][width]) * (
+            elements / self.packing[key][1])
+        return name if self.lost[key] >= self.packing[key][0] else other
 
     def to_json(self) -> dict:
         return {"widths": list(self.widths), "choice": {k: list(v) for k, v in self.choice.items()},
-                "times": {k: {r: list(t) for r, t in v.items()} for k, v in self.times.items()}}
+                "times": {k: {r: list(t) for r, t in v.items()} for k, v in self.times.items()},
+                "packing": {k: list(v) for k, v in self.packing.items()}}
 
     @classmethod
     def from_json(cls, data: dict) -> Routes:
         times = {k: {r: tuple(t) for r, t in v.items()} for k, v in data.get("times", {}).items()}
-        return cls(tuple(data["widths"]), {k: tuple(v) for k, v in data["choice"].items()}, times)
+        packing = {k: tuple(v) for k, v in data.get("packing", {}).items()}
+        return cls(tuple(data["widths"]), {k: tuple(v) for k, v in data["choice"].items()}, times, packing)
 
     def table(self) -> str:
         """The probed milliseconds of all linear layers per route and width, one line per dtype and route."""
@@ -148,14 +168,15 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 ROUTES: dict[str, Callable] = {"aten": F.linear, "packed": _packed_linear, "stream": stream_linear}
 
 
-def step_route(rows: int, dtype: torch.dtype) -> str:
-    """The route (a name in ROUTES) this decoding step's Routes choose for products of `rows` rows of dtype."""
-    return (_in_step.get() or Routes()).route(rows, dtype)
+def step_route(rows: int, dtype: torch.dtype, elements: int = 0) -> str:
+    """The route (a name in ROUTES) this decoding step's Routes choose for products of `rows` rows of dtype over
+    `elements` weight elements in all."""
+    return (_in_step.get() or Routes()).route(rows, dtype, elements)
 
 
 def _routed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The product by the route this decoding step's Routes choose for its rows and dtype."""
-    return ROUTES[step_route(x.numel() // x.shape[-1], x.dtype)](x, weight, bias)
+    return ROUTES[step_route(x.numel() // x.shape[-1], x.dtype, weight.numel())](x, weight, bias)
 
 
 # the same, as one opaque operation to torch.compile: the route is chosen when the graph runs (its dispatch
@@ -355,7 +376,7 @@ def probe_routes(model: nn.Module, widths: Iterable[int] = PROBE_WIDTHS, rounds:
     the fastest route at each width (median over rounds that shuffle the routes), with those medians. A
     route that fails for a dtype (e.g. packed bfloat16 on a CPU without the instructions oneDNN needs) is
     left out."""
-    widths, choice, measured = tuple(widths), {}, {}
+    widths, choice, measured, packing = tuple(widths), {}, {}, {}
     if not ENABLED:
         return Routes(widths, choice)
     order = random.Random(0)
@@ -364,6 +385,13 @@ def probe_routes(model: nn.Module, widths: Iterable[int] = PROBE_WIDTHS, rounds:
         by_dtype.setdefault(weight.dtype, []).append((weight, bias))
     for dtype, products in by_dtype.items():
         routes = [name for name, fn in ROUTES.items() if _works(fn, *products[0])]
+        if "packed" in routes:
+            for weight, _ in products:  # made anew, as a process makes them at its first packed product
+                _packed.pop(weight, None)
+            start = time.perf_counter()
+            for weight, _ in products:
+                packed(weight)
+            packing[str(dtype)] = (time.perf_counter() - start) * 1000, sum(weight.numel() for weight, _ in products)
         inputs = {w: {n: torch.randn(w, n, dtype=dtype) for n in {weight.shape[1] for weight, _ in products}}
                   for w in widths}
         times: dict[tuple[int, str], list[float]] = {(w, r): [] for w in widths for r in routes}
@@ -381,7 +409,8 @@ def probe_routes(model: nn.Module, widths: Iterable[int] = PROBE_WIDTHS, rounds:
         medians = {key: statistics.median(t) * 1000 for key, t in times.items()}
         choice[str(dtype)] = tuple(min(routes, key=lambda r, w=w: medians[w, r]) for w in widths)
         measured[str(dtype)] = {r: tuple(medians[w, r] for w in widths) for r in routes}
-    return Routes(widths, choice, measured)
+    # this process made the packed copies as it timed them: no rental
+    return Routes(widths, choice, measured, packing, lost={k: ms for k, (ms, _) in packing.items()})
 
 
 def _products(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None]]:

@@ -44,6 +44,31 @@ def test_routes_by_rows_and_dtype():
     assert speed.Routes.from_json(json.loads(json.dumps(routes.to_json()))) == routes
 
 
+def test_packed_copies_are_rented_until_packing_would_have_paid():
+    times = {"aten": (1.0, 30.0), "stream": (0.5, 40.0), "packed": (2.0, 20.0)}  # ms for all products
+    routes = speed.Routes((1, 16), {"torch.float32": ("stream", "packed")}, {"torch.float32": times},
+                          packing={"torch.float32": (25.0, 1000)})  # 25 ms to pack 1000 elements
+    assert routes.route(1, torch.float32, 1000) == "stream"  # not packed: nothing to rent
+    # a pass of 16 rows over all 1000 elements loses 10 ms by aten: two passes rent, the third packs
+    assert [routes.route(16, torch.float32, 1000) for _ in range(3)] == ["aten", "aten", "packed"]
+    assert routes.route(16, torch.float32, 250) == "packed"  # packed once bought
+    assert routes.lost == {"torch.float32": 30.0}
+    # charged by its share of the elements: 40 products of a quarter of them each lose as much as 10 passes
+    fresh = speed.Routes.from_json(json.loads(json.dumps(routes.to_json())))
+    assert fresh == routes and fresh.lost == {}
+    assert [fresh.route(16, torch.float32, 250) for _ in range(10)] == ["aten"] * 9 + ["packed"]
+
+
+@pytest.mark.skipif(not speed.ENABLED, reason="packed weights switched off or oneDNN missing")
+def test_probe_times_the_packing_and_leaves_nothing_to_rent():
+    model = float_tiny()
+    speed.install(model)
+    routes = speed.probe_routes(model, widths=(1, 16), rounds=1)
+    ms, elements = routes.packing["torch.float32"]
+    assert ms > 0 and elements == sum(weight.numel() for weight, _ in speed._products(model))
+    assert routes.lost["torch.float32"] == ms  # its copies are made: packed products take them at once
+
+
 @pytest.mark.skipif(not speed.ENABLED, reason="packed weights switched off or oneDNN missing")
 def test_decoding_takes_the_route_chosen_for_its_rows(monkeypatch):
     model = float_tiny()
