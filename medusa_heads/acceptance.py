@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernels, speed
 from .settings import setting
 
 MODES = ("greedy", "typical", "exact")
@@ -131,6 +132,8 @@ def accept(
 ) -> Accepted:
     """Verify a tree: tokens (B, n) at the tree nodes, logits (B, n, V) the base model's there; parents (n,)
     and retrieve (P, depth+1) describe the tree (`Tree`), or one tree per row, (B, n) and (B, P, depth+1)."""
+    if sampling.acceptance == "greedy" and speed.native_accept(logits):
+        return Accepted(*kernels.load().greedy_accept(tokens, logits, parents, retrieve))
     score = None
     parents = parents.expand(tokens.shape)
     if sampling.acceptance == "typical":

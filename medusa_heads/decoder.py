@@ -239,8 +239,9 @@ class Decoder:
                 features[rows, :width] = hidden
         logits = adapter.logits(self.model.base_model, last)
         first = torch.empty(len(prompts), dtype=torch.long, device=self.device)
-        for positions_, row in self._groups(ids_of_rows):
-            first[positions_] = choose(logits[positions_], row.sampling, row.generator)
+        for group, row in self._groups(ids_of_rows):
+            index = torch.tensor(group, device=self.device)
+            first[index] = choose(logits[index], row.sampling, row.generator)
         cache.commit(lengths)
         if self.drafting:  # the draft's entries: each position's features with the token after it
             after = pad_batch([[*p[1:], 0] for p in prompts])[0].to(self.device)
@@ -276,13 +277,7 @@ class Decoder:
         allowed = (rel < 0)[:, None, :] | tree_part  # (B, n, S)
         hidden = self._forward(self.cache, tokens, positions, allowed[:, None], visible=slots.numel(), compiled=True)
         logits = adapter.logits(self.model.base_model, hidden)  # (B, n, V)
-        path = torch.empty(batch, step.retrieve.shape[-1], dtype=torch.long, device=self.device)
-        count = torch.empty(batch, dtype=torch.long, device=self.device)
-        next_token = torch.empty(batch, dtype=torch.long, device=self.device)
-        for group, row in self._groups(self.active):  # rows sharing settings are accepted together
-            result = accept(tokens[group], logits[group], step.parents[group], step.retrieve[group], row.sampling,
-                            row.generator)
-            path[group], count[group], next_token[group] = result.path, result.count, result.next_token
+        path, count, next_token = self._accept(step, logits)
         path = path.clamp(min=0)  # (B, depth+1)
         self.cache.commit(count + 1, path if n > 1 else None)
         rows = torch.arange(batch, device=self.device)
@@ -295,6 +290,25 @@ class Decoder:
         if self.adapt:
             self._follow(requests, tokens, emitted, count, drafts, heads_on)
         self._emit(emitted, count + 1, positions=range(batch))
+
+    def _accept(self, step: StepTree, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's accepted path (B, depth+1), count (B,) and bonus token (B,); rows that share settings are
+        accepted together (all rows at once where they all do)."""
+        groups = self._groups(self.active)
+        if len(groups) == 1:
+            result = accept(step.tokens, logits, step.parents, step.retrieve, groups[0][1].sampling,
+                            groups[0][1].generator)
+            return result.path, result.count, result.next_token
+        batch = logits.shape[0]
+        path = torch.empty(batch, step.retrieve.shape[-1], dtype=torch.long, device=self.device)
+        count = torch.empty(batch, dtype=torch.long, device=self.device)
+        next_token = torch.empty(batch, dtype=torch.long, device=self.device)
+        for group, row in groups:
+            index = torch.tensor(group, device=self.device)
+            result = accept(step.tokens[index], logits[index], step.parents[index], step.retrieve[index], row.sampling,
+                            row.generator)
+            path[index], count[index], next_token[index] = result.path, result.count, result.next_token
+        return path, count, next_token
 
     def _static_tree(self, requests: list[_Row]) -> tuple[StepTree, bool, list[list[int]]]:
         """This step's nodes of the static tree: the heads' candidates (unless they do not pay this step) and
@@ -359,12 +373,12 @@ class Decoder:
 
     # -- bookkeeping --------------------------------------------------------------------------
 
-    def _groups(self, row_ids: list[int]) -> list[tuple[torch.Tensor, _Row]]:
+    def _groups(self, row_ids: list[int]) -> list[tuple[list[int], _Row]]:
         """Batch positions of rows that share settings (they were added together), with one such row."""
         groups: dict[int, list[int]] = {}
         for position, row_id in enumerate(row_ids):
             groups.setdefault(id(self._rows[row_id].generator), []).append(position)
-        return [(torch.tensor(p, device=self.device), self._rows[row_ids[p[0]]]) for p in groups.values()]
+        return [(p, self._rows[row_ids[p[0]]]) for p in groups.values()]
 
     def _emit(self, emitted: torch.Tensor, counts: torch.Tensor, positions: range) -> None:
         """Append new tokens to the rows at these batch positions, apply the stop rules, drop finished rows."""

@@ -14,6 +14,7 @@ from torch.nn import functional as F
 
 from medusa_heads import MedusaModel, adapter, kernels, lean, speed
 from medusa_heads import decoder as decoder_module
+from medusa_heads.acceptance import Sampling, accept
 from medusa_heads.cache import TreeCache
 from medusa_heads.kernels import stream_linear
 from medusa_heads.tree import Tree
@@ -110,16 +111,42 @@ def test_a_native_draft_proposes_what_the_heads_modules_propose(projection, monk
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_greedy_with_native_drafts_equals_transformers(arch, monkeypatch):
+def test_greedy_with_native_drafts_and_acceptance_equals_transformers(arch, monkeypatch):
     model = chained_heads(arch, projection="shared", draft_vocab=12)
     calls = []
-    real = model.heads._native_draft
-    monkeypatch.setattr(model.heads, "_native_draft", lambda *a: calls.append(1) or real(*a))
+    real, real_accept = model.heads._native_draft, kernels.load().greedy_accept
+    monkeypatch.setattr(model.heads, "_native_draft", lambda *a: calls.append("draft") or real(*a))
+    monkeypatch.setattr(kernels.load(), "greedy_accept", lambda *a: calls.append("accept") or real_accept(*a))
     ids = torch.tensor([[5, 9, 3, 7, 5, 9, 3, 7], [4, 8, 6, 2, 6, 2, 6, 2]])
     out = model.generate(ids, max_new_tokens=24, tree="default", eos_token_id=[])
-    assert calls  # the heads drafted by the C++ call
+    assert {"draft", "accept"} == set(calls)  # the heads drafted and the base accepted by the C++ calls
     for row, tokens in zip(ids, out.new_tokens, strict=True):
         assert tokens == hf_greedy(model.base_model, row[None], 24, eos_token_id=[])[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("paths", [[], [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [1, 0, 0]]])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_native_greedy_acceptance_equals_the_tensor_functions(paths, batch, monkeypatch):
+    tree, vocab = Tree(paths), 37
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(100):
+        logits = torch.randn(batch, tree.size, vocab, generator=generator).round()  # many equal largest logits
+        if trial % 5 == 0:
+            logits[batch - 1, trial % tree.size, trial % vocab] = float("nan")  # the largest, as torch has it
+        agreeing = logits.argmax(-1).gather(1, tree.parents.expand(batch, -1))  # every path accepted whole
+        tokens = torch.where(torch.rand(batch, tree.size, generator=generator) < 0.3,
+                             torch.randint(vocab, (batch, tree.size), generator=generator), agreeing)
+        parents, retrieve = tree.parents, tree.retrieve
+        if trial % 2:  # one tree per row, as a step's trees come
+            parents, retrieve = parents.expand(batch, -1), retrieve.expand(batch, -1, -1)
+        with torch.inference_mode(), speed.decoding_step():
+            assert speed.native_accept(logits)
+            native = accept(tokens, logits, parents, retrieve, Sampling())
+            monkeypatch.setattr(speed, "NATIVE_ACCEPT", False)
+            tensors = accept(tokens, logits, parents, retrieve, Sampling())
+            monkeypatch.setattr(speed, "NATIVE_ACCEPT", True)
+        for field in ("path", "count", "next_token"):
+            assert torch.equal(getattr(native, field), getattr(tensors, field)), (trial, field)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -68,5 +68,7 @@ torch::Tensor chained_draft(const torch::Tensor& hidden, const torch::Tensor& ro
                             double eps, const std::vector<torch::Tensor>& params, int64_t layers,
                             const std::vector<torch::Tensor>& levels, int64_t topk,
                             const c10::optional<torch::Tensor>& token_map);
+std::vector<torch::Tensor> greedy_accept(const torch::Tensor& tokens, const torch::Tensor& logits,
+                                         const torch::Tensor& parents, const torch::Tensor& retrieve);
 
 }  // namespace medusa_heads
