@@ -12,9 +12,10 @@ faster (`Routes`, chosen per machine by `medusa_heads.tuning`). A third route, "
 2-core AMD EPYC it takes SmolLM2-135M's products at 1 row in ~27-34 ms against packed's ~40-52, and
 wins up to ~16 rows; the probe takes it where it measures faster. Without a probe, float32 takes the
 packed route and bfloat16 aten. Each packed weight is a second copy of the weight, made at its first
-use and remade when the weight changes; a model whose copies would not fit in half the free memory
-decodes without them. Set MEDUSA_HEADS_PACKED_WEIGHTS=0 to turn packing off. Transformers' own
-generate is untouched: routes apply within a decoding step only.
+use once packing has paid (`Routes`: until then the copies are rented) and remade when the weight
+changes; a model whose copies would not fit in half the free memory decodes without them. Set
+MEDUSA_HEADS_PACKED_WEIGHTS=0 to turn packing off. Transformers' own generate is untouched: routes apply
+within a decoding step only.
 
 Fused siblings: layers that read the same input one after another (q/k/v, gate/up: found by
 watching one forward) take one product over their weights concatenated, which halves the number of
