@@ -114,7 +114,7 @@ class Routes:
     packing: dict[str, tuple[float, int]] = field(default_factory=dict)  # dtype -> (ms to pack, elements packed)
     lost: dict[str, float] = field(default_factory=dict, compare=False)  # dtype -> ms lost so far without packing
 
-    def route(self, rows: int, dtype: torch.dtype, elements: int = 0) -> str:
+    def route(self, rows: int, dtype: torch.dtype, elements: int) -> str:
         """The route of products of `rows` rows over `elements` weight elements in all (charged to the rental of
         packed copies, when it runs)."""
         key = str(dtype)
@@ -176,7 +176,7 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 ROUTES: dict[str, Callable] = {"aten": F.linear, "packed": _packed_linear, "stream": stream_linear}
 
 
-def step_route(rows: int, dtype: torch.dtype, elements: int = 0) -> str:
+def step_route(rows: int, dtype: torch.dtype, elements: int) -> str:
     """The route (a name in ROUTES) this decoding step's Routes choose for products of `rows` rows of dtype over
     `elements` weight elements in all."""
     return (_in_step.get() or Routes()).route(rows, dtype, elements)

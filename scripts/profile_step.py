@@ -53,7 +53,7 @@ def products_alone(model: MedusaModel, routes: speed.Routes | None, rows: int, s
     inputs = {weight.shape[1]: torch.randn(rows, weight.shape[1], dtype=weight.dtype) for weight, _ in products}
     times = []
     with torch.inference_mode(), speed.decoding_step(routes):
-        route = speed.ROUTES[speed.step_route(rows, products[0][0].dtype)]
+        route = speed.ROUTES[speed.step_route(rows, products[0][0].dtype, sum(w.numel() for w, _ in products))]
         for _ in range(steps + 4):
             start = time.perf_counter()
             for weight, bias in products:

@@ -180,7 +180,7 @@ def test_greedy_with_every_product_on_one_route_and_fused_operations_equals_tran
     used = []
     real = speed.ROUTES[route]
     monkeypatch.setitem(speed.ROUTES, route, lambda x, w, b: used.append(x.shape[0]) or real(x, w, b))
-    monkeypatch.setattr(speed.Routes, "route", lambda self, rows, dtype, elements=0: route)
+    monkeypatch.setattr(speed.Routes, "route", lambda self, rows, dtype, elements: route)
     monkeypatch.setattr(decoder_module, "PREFILL_TOKENS", 8)  # prefills of a few rows of the batch at a time
     prompts = [[5, 9, 3, 7, 5, 9, 3], [4, 8], [6, 2, 6, 2, 6]]
     ids, mask = decoder_module.pad_batch(prompts)

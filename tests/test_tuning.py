@@ -37,10 +37,10 @@ def recorded(model: MedusaModel) -> MedusaModel:
 
 def test_routes_by_rows_and_dtype():
     routes = speed.Routes((1, 4, 16), {"torch.float32": ("aten", "packed", "aten")})
-    assert [routes.route(rows, torch.float32) for rows in (1, 2, 4, 5, 16, 500)] == [
+    assert [routes.route(rows, torch.float32, 1000) for rows in (1, 2, 4, 5, 16, 500)] == [
         "aten", "packed", "packed", "aten", "aten", "aten"]
-    assert routes.route(3, torch.bfloat16) == "aten"  # not probed: the unprobed default
-    assert speed.Routes().route(3, torch.float32) == "packed"
+    assert routes.route(3, torch.bfloat16, 1000) == "aten"  # not probed: the unprobed default
+    assert speed.Routes().route(3, torch.float32, 1000) == "packed"
     assert speed.Routes.from_json(json.loads(json.dumps(routes.to_json()))) == routes
 
 
