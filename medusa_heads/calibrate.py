@@ -4,8 +4,9 @@ pick the tree that maximises expected accepted length per unit of time.
 - accuracies: per head k and rank r, how often the head's rank-r guess is the token it aims at,
   on the model's own greedy answers (`accuracy.head_ranks`).
 - cost curve: c(n) = time of one decoding step that verifies n tree tokens (heads and acceptance
-  included) / time of one plain decoding step, on this device, fitted non-decreasing in n (where a
-  flat curve meets timing noise, a bigger pass can measure cheaper than a smaller one).
+  included) / time of one plain decoding step, on this device, the two kinds of steps alternating
+  so that drift hits both alike; fitted non-decreasing in n (where a flat curve meets timing noise,
+  a bigger pass can measure cheaper than a smaller one).
 - trees: the value of a node is the product, over its path, of the accuracy of head d at rank r
   (the chance that the whole path is right); the best tree of n nodes adds, one at a time, the most
   valuable node whose parent is already in (greedy frontier search). Its expected accepted length
@@ -14,8 +15,9 @@ pick the tree that maximises expected accepted length per unit of time.
   trees, with and without a prompt-lookup branch of L tokens. This is exact, not an estimate (at
   each step it knows where the heads ranked their targets and what the lookup drafts), and the
   cost of each step is c at the number of tokens it verifies. Of the trees and L whose replayed
-  speed-up is within `tolerance` of the highest, the one that accepts the most tokens per step is
-  chosen: speed-ups closer than that are within timing noise, accepted lengths are exact.
+  speed-up is within `tolerance` of the highest (closer than that is within the noise of c), the
+  one whose steps cost least is chosen: its speed hangs least on the wide passes' costs and on how
+  well the record's acceptance carries over to other text, and it leaves the most compute free.
 
 What the heads do on the answers (accuracies and per-step ranks and drafts: a `Record`) does not
 depend on the machine; only the cost curve does. So `medusa calibrate` saves the record with the
@@ -50,7 +52,7 @@ from .lookup import first_difference
 from .tree import Tree
 
 LOOKUPS = (0, 2, 4, 6, 8, 12)  # prompt-lookup branch lengths tried
-TOLERANCE = 0.03  # replayed speed-ups this close to the best count as equal (c drifts 10 % between runs)
+TOLERANCE = 0.03  # replayed speed-ups this close to the best count as equal (c's spread over probes, 1-3 %)
 
 
 @dataclass
@@ -190,41 +192,45 @@ def record_answers(model, prompts: list[torch.Tensor], max_new_tokens: int, max_
     return Record(accuracy_table(hits, counts), counts.tolist(), answers, max_new_tokens)
 
 
-def step_time(model, ids: torch.Tensor, tree: Tree, steps: int = 8) -> float:
-    """Seconds per decoding step with this tree (prefill and a first step excluded)."""
-    enough = (steps + 2) * (tree.depth + 1)  # never runs out before the last timed step
-    decoder = make_decoder(model, ids, Decoding(max_new_tokens=enough, tree=tree), eos_token_id=[])
-    loop = decoder.steps()
-    next(loop)  # prefill
-    next(loop)  # a first step warms up
-    start = time.perf_counter()
+def paired_cost(model, ids: torch.Tensor, tree: Tree, steps: int = 8) -> float:
+    """c of one tree: the time of its decoding steps over that of plain ones, the two alternating step by step
+    (after a prefill and a first step each) so that drift and bursts on a shared machine hit both alike."""
+    loops = []
+    for each in (Tree([], name="plain"), tree):
+        enough = (steps + 2) * (each.depth + 1)  # never runs out before the last timed step
+        loop = make_decoder(model, ids, Decoding(max_new_tokens=enough, tree=each), eos_token_id=[]).steps()
+        next(loop)  # prefill
+        next(loop)  # a first step warms up
+        loops.append(loop)
+    spent = [0.0, 0.0]
     for _ in range(steps):
-        next(loop)
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
-    return (time.perf_counter() - start) / steps
+        for i, loop in enumerate(loops):
+            start = time.perf_counter()
+            next(loop)
+            if model.device.type == "cuda":
+                torch.cuda.synchronize(model.device)
+            spent[i] += time.perf_counter() - start
+    return spent[1] / spent[0]
 
 
 def cost_curve(model, ids: torch.Tensor, trees: list[Tree], steps: int = 8, rounds: int = 5,
                progress: Callable[[], None] | None = None) -> list[float]:
-    """c(n) for each tree relative to a plain decoding step: rounds interleave every tree and plain
-    decoding so that drift hits all alike; the median over rounds is kept."""
-    plain = Tree([], name="plain")
-    times: list[list[float]] = [[] for _ in range(len(trees) + 1)]
+    """c(n) for each tree relative to a plain decoding step (`paired_cost`), the median over rounds that each
+    measure every tree."""
+    costs: list[list[float]] = [[] for _ in trees]
     for _ in range(rounds):
-        for i, tree in enumerate([plain, *trees]):
-            times[i].append(step_time(model, ids, tree, steps))
+        for i, tree in enumerate(trees):
+            costs[i].append(paired_cost(model, ids, tree, steps))
             if progress:
                 progress()
-    medians = [sorted(t)[len(t) // 2] for t in times]
-    return [m / medians[0] for m in medians[1:]]
+    return [sorted(c)[len(c) // 2] for c in costs]
 
 
 def pick(options: list[tuple], tolerance: float) -> tuple:
-    """Of (speed-up, accepted length, ...) options, the one that accepts the most among those whose
-    speed-up is within tolerance of the best."""
+    """Of (speed-up, cost of a step, ...) options, the one with the cheapest steps among those whose speed-up
+    is within tolerance of the best."""
     fastest = max(option[0] for option in options)
-    return max((option for option in options if option[0] >= (1 - tolerance) * fastest), key=lambda o: o[1])
+    return min((option for option in options if option[0] >= (1 - tolerance) * fastest), key=lambda o: o[1])
 
 
 SIZES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # head nodes of the trees whose cost is measured
@@ -247,7 +253,7 @@ def choose(model, record: Record, ids: torch.Tensor, max_nodes: int = 64, sizes:
     costs = [1.0] + [c for (n, _, _), c in zip(chosen_rows, measured, strict=True) if n > 0]
     fitted = nondecreasing(costs)
     cost = interpolate(widths, fitted)
-    table, options = [], []  # options: (replayed speed-up, accepted length, head tree, lookup tokens)
+    table, options = [], []  # options: (replayed speed-up, cost of a step, head tree, lookup tokens)
     for (n, tree, expected), raw in zip(chosen_rows, measured, strict=True):
         c = cost(n + 1)
         replays = []
@@ -255,8 +261,10 @@ def choose(model, record: Record, ids: torch.Tensor, max_nodes: int = 64, sizes:
             candidate = tree.with_lookup(lookup_tokens)
             tokens, count, spent = map(sum, zip(*(replay(r, candidate, cost) for r in record.answers), strict=True))
             speedup = (tokens - len(record.answers)) / spent  # plain decoding spends c = 1 per token after the first
-            replays.append({"lookup": lookup_tokens, "accepted_length": tokens / count, "speedup": speedup})
-            options.append((speedup, tokens / count, tree, lookup_tokens))
+            step_cost = spent / max(1, count - len(record.answers))
+            replays.append({"lookup": lookup_tokens, "accepted_length": tokens / count, "speedup": speedup,
+                            "step_cost": step_cost})
+            options.append((speedup, step_cost, tree, lookup_tokens))
         table.append({"nodes": n, "expected_accepted_length": expected, "measured_cost": raw, "cost": c,
                       "expected_speedup": expected / c, "replay": replays})
     _, _, tree, lookup_tokens = pick(options, tolerance)
@@ -304,15 +312,15 @@ def record_dynamic(model, prompts: list[torch.Tensor], max_new_tokens: int,
 def choose_dynamic(model, record: DynamicRecord, ids: torch.Tensor, tolerance: float = TOLERANCE, steps: int = 8,
                    rounds: int = 5, progress: Callable[[], None] | None = None) -> dict:
     """This device's dynamic tree: each recorded shape's step cost measured here (relative to a plain step),
-    and of those whose accepted length per cost is within tolerance of the best, the one that accepts the
-    most. Returns the chosen tree, the table and the cost curve (by tokens verified per step)."""
+    and of those whose accepted length per cost is within tolerance of the best, the one whose steps cost
+    least. Returns the chosen tree, the table and the cost curve (by tokens verified per step)."""
     shapes = [Tree.load(name) for name in record.accepted_length]
     costs = cost_curve(model, ids, shapes, steps, rounds, progress)
     table, options = [], [(1.0, 1.0, Tree([], name="plain"))]
     for shape, cost in zip(shapes, costs, strict=True):
         accepted = record.accepted_length[shape.name]
         table.append({"tree": shape.name, "accepted_length": accepted, "cost": cost, "speedup": accepted / cost})
-        options.append((accepted / cost, accepted, shape))
+        options.append((accepted / cost, cost, shape))
     _, _, tree = pick(options, tolerance)
     curve = sorted({shape.size: cost for shape, cost in zip(shapes, costs, strict=True)}.items())
     return {"tree": tree, "table": table,

@@ -358,8 +358,8 @@ def setup_calibrate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-nodes", type=int, default=64, help="largest tree considered")
     p.add_argument("--tolerance", type=float,
-                   help="of the trees whose replayed speed-up is within this fraction of the best, take the one that "
-                        "accepts the most tokens per step (default 0.03; 0: the fastest)")
+                   help="of the trees whose replayed speed-up is within this fraction of the best, take the one whose "
+                        "steps cost least (default 0.03; 0: the fastest)")
 
 
 def setup_generate(p: argparse.ArgumentParser) -> None:

@@ -44,8 +44,8 @@ ROUTE_ROUNDS = 3  # kernel-route timing rounds in the probe
 ROUNDS, STEPS = 3, 6  # cost-curve rounds and timed steps per tree in the probe
 SIZES = (0, 1, 2, 4, 6, 8, 12, 16, 24, 32, 64)  # head nodes of the trees the probe measures (fewer than calibrate's)
 PROBE_PROMPT = 48  # tokens of the (seeded random) prompt the probe decodes from
-PROBE_VERSION = 4  # raised when what a decoding step computes changes (2: fused siblings, grouped attention; 3: the
-# stream kernel route; 4: the time to pack, for the rental of packed copies)
+PROBE_VERSION = 5  # raised when what a decoding step computes changes (2: fused siblings, grouped attention; 3: the
+# stream kernel route; 4: the time to pack, for the rental of packed copies; 5: c paired with plain steps, the pick)
 
 
 @dataclass
@@ -171,7 +171,7 @@ def probe(model, description: dict) -> Tuning:
     record = model.record
     dtypes = {layer.weight.dtype for layer in speed.cpu_linears(model)} if speed.ENABLED else set()
     trees = len(record.accepted_length) if isinstance(record, DynamicRecord) else len(SIZES)
-    runs = ROUTE_ROUNDS * len(dtypes) + (ROUNDS * (trees + 1) if record else 0)
+    runs = ROUTE_ROUNDS * len(dtypes) + (ROUNDS * trees if record else 0)
     with tqdm(total=runs, desc="probing this machine (once)", unit="run", leave=False) as bar:
         model.install_speed_levers()
         routes = speed.probe_routes(model, rounds=ROUTE_ROUNDS, progress=bar.update)

@@ -63,8 +63,8 @@ def test_cost_fit_pools_decreasing_runs():
     assert nondecreasing([2.0, 1.0]) == [1.5, 1.5]
 
 
-def test_pick_prefers_accepted_length_within_the_tolerance():
-    options = [(1.50, 2.0, "fastest"), (1.47, 2.4, "close"), (1.30, 3.0, "slow")]
+def test_pick_prefers_cheaper_steps_within_the_tolerance():
+    options = [(1.50, 1.3, "fastest"), (1.47, 1.1, "close"), (1.30, 1.0, "slow"), (1.49, 1.6, "wide")]
     assert pick(options, 0.03)[2] == "close"
     assert pick(options, 0.0)[2] == "fastest"
     assert pick(options, 0.2)[2] == "slow"
@@ -82,12 +82,12 @@ def test_calibrate_on_a_tiny_model(next_token):
     assert all([r["lookup"] for r in row["replay"]] == list(LOOKUPS) for row in result["table"])
     tree = result["tree"]
     assert tree.depth <= 3 and tree.head_size - 1 in (1, 4, 12)
-    options = {(row["nodes"], r["lookup"]): (r["speedup"], r["accepted_length"])
+    options = {(row["nodes"], r["lookup"]): (r["speedup"], r["step_cost"])
                for row in result["table"] for r in row["replay"]}
     fastest = max(speedup for speedup, _ in options.values())
-    close = [length for speedup, length in options.values() if speedup >= (1 - TOLERANCE) * fastest]
-    speedup, length = options[tree.head_size - 1, tree.lookup]  # the tolerance rule: among the close, the longest
-    assert speedup >= (1 - TOLERANCE) * fastest and length == max(close)
+    close = [cost for speedup, cost in options.values() if speedup >= (1 - TOLERANCE) * fastest]
+    speedup, cost = options[tree.head_size - 1, tree.lookup]  # the tolerance rule: among the close, the cheapest
+    assert speedup >= (1 - TOLERANCE) * fastest and cost == min(close)
     assert result["record"].max_new_tokens == 16 and len(result["record"].answers) == 2 and model.record is not None
     out = model.generate(prompts[0], max_new_tokens=16, tree=tree)  # usable as is
     assert torch.equal(out.sequences, model.generate(prompts[0], max_new_tokens=16, tree="plain").sequences)
