@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import kernels, speed
+
 
 class TreeCacheLayer(CacheLayerMixin):
     """One attention layer's view of the cache, for transformers' queries (sizes); the buffers are the cache's."""
@@ -132,7 +134,9 @@ class TreeCache(Cache):
         keep (B, a): keep[b, j] is an offset into those tokens, moved to offset j; None when the kept
         tokens already sit in order (a prefill, or a tree of the root alone).
         """
-        if keep is not None and self.keys is not None:
+        if keep is not None and self.keys is not None and speed.native_commit(self.keys):
+            kernels.load().commit_moves(self.keys, self.values, self.lengths, keep, counts)
+        elif keep is not None and self.keys is not None:
             rows = torch.arange(keep.shape[0], device=keep.device)[:, None]
             base = self.lengths[:, None]
             src, dst = base + keep, base + torch.arange(keep.shape[1], device=keep.device)

@@ -15,14 +15,16 @@ operations' rounding. Set MEDUSA_HEADS_LEAN_DECODER=0 to run transformers' modul
 from __future__ import annotations
 
 import os
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from . import kernels, speed
-from .cache import TreeCache
+
+if TYPE_CHECKING:
+    from .cache import TreeCache
 
 ENABLED = os.environ.get("MEDUSA_HEADS_LEAN_DECODER", "1") != "0"
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")

@@ -48,7 +48,9 @@ or torch's own code and data, so each small operation costs ~0.1 ms there: the d
 Native acceptance: within a decoding step on a CPU, greedy acceptance of float32 logits is one C++ call
 (`native_accept`; `csrc/greedy_accept.cpp`): the argmax at every node, the longest agreeing path and the bonus
 token, with the same results as its dozen torch operations: with cold caches 0.25 ms instead of 0.83 for one node,
-0.31 instead of 1.03 for nine (Zen 3). Set MEDUSA_HEADS_NATIVE_ACCEPT=0 to accept with those.
+0.31 instead of 1.03 for nine (Zen 3). Keeping the accepted tokens in the cache (any acceptance: `native_commit`;
+`csrc/cache_commit.cpp`) is one C++ loop too, instead of torch's indexed copies. Set MEDUSA_HEADS_NATIVE_ACCEPT=0
+to accept and keep with those.
 
 Compiled decoding passes (opt-in: `MedusaModel.compile_decoding()`, `--compile`): the decoder's
 verification passes run through torch.compile, which fuses the many small operations around the
@@ -232,6 +234,12 @@ def native_accept(logits: torch.Tensor) -> bool:
     """Whether greedy acceptance of these logits runs as one C++ call (`csrc/greedy_accept.cpp`): float32 within a
     decoding step on a CPU, where the kernels are built."""
     return NATIVE_ACCEPT and logits.device.type == "cpu" and logits.dtype == torch.float32 and _kernels_in_step()
+
+
+def native_commit(keys: torch.Tensor) -> bool:
+    """Whether a cache commit moves the kept tokens in one C++ call (`csrc/cache_commit.cpp`): a contiguous CPU
+    buffer within a decoding step, where the kernels are built."""
+    return NATIVE_ACCEPT and keys.device.type == "cpu" and keys.is_contiguous() and _kernels_in_step()
 
 
 def _kernels_in_step() -> bool:

@@ -111,15 +111,17 @@ def test_a_native_draft_proposes_what_the_heads_modules_propose(projection, monk
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_greedy_with_native_drafts_and_acceptance_equals_transformers(arch, monkeypatch):
+def test_greedy_with_native_drafts_acceptance_and_commits_equals_transformers(arch, monkeypatch):
     model = chained_heads(arch, projection="shared", draft_vocab=12)
     calls = []
     real, real_accept = model.heads._native_draft, kernels.load().greedy_accept
     monkeypatch.setattr(model.heads, "_native_draft", lambda *a: calls.append("draft") or real(*a))
+    real_commit = kernels.load().commit_moves
     monkeypatch.setattr(kernels.load(), "greedy_accept", lambda *a: calls.append("accept") or real_accept(*a))
+    monkeypatch.setattr(kernels.load(), "commit_moves", lambda *a: calls.append("commit") or real_commit(*a))
     ids = torch.tensor([[5, 9, 3, 7, 5, 9, 3, 7], [4, 8, 6, 2, 6, 2, 6, 2]])
     out = model.generate(ids, max_new_tokens=24, tree="default", eos_token_id=[])
-    assert {"draft", "accept"} == set(calls)  # the heads drafted and the base accepted by the C++ calls
+    assert {"draft", "accept", "commit"} == set(calls)  # drafted, accepted and kept by the C++ calls
     for row, tokens in zip(ids, out.new_tokens, strict=True):
         assert tokens == hf_greedy(model.base_model, row[None], 24, eos_token_id=[])[0, ids.shape[1]:].tolist()
 
@@ -147,6 +149,32 @@ def test_native_greedy_acceptance_equals_the_tensor_functions(paths, batch, monk
             monkeypatch.setattr(speed, "NATIVE_ACCEPT", True)
         for field in ("path", "count", "next_token"):
             assert torch.equal(getattr(native, field), getattr(tensors, field)), (trial, field)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_commit_keeps_what_the_indexed_copies_keep(dtype, monkeypatch):
+    tree, generator = Tree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]], lookup=3), torch.Generator().manual_seed(0)
+    for trial in range(60):
+        batch = 1 + trial % 3
+        lengths = torch.randint(0, 20, (batch,), generator=generator)
+        paths = tree.retrieve[torch.randint(tree.retrieve.shape[0], (batch,), generator=generator)]  # (B, depth + 1)
+        counts = torch.stack([torch.randint(1, int((p >= 0).sum()) + 1, (), generator=generator) for p in paths])
+        buffers = torch.randn(2, 3, batch, 2, 40, 8, generator=generator).to(dtype)
+        kept = []
+        for native in (True, False):
+            cache = TreeCache(num_layers=3, batch_size=batch, max_len=40, device=torch.device("cpu"))
+            cache.keys, cache.values = buffers.clone()
+            cache.lengths = lengths.clone()
+            monkeypatch.setattr(speed, "NATIVE_ACCEPT", native)
+            with torch.inference_mode(), speed.decoding_step():
+                assert speed.native_commit(cache.keys) == native
+                cache.commit(counts, paths.clamp(min=0))
+            kept.append(cache)
+        assert torch.equal(kept[0].lengths, lengths + counts)
+        for b in range(batch):  # what lies past a row's length is free to differ
+            span = int(kept[0].lengths[b])
+            for name in ("keys", "values"):
+                assert torch.equal(getattr(kept[0], name)[:, b, :, :span], getattr(kept[1], name)[:, b, :, :span])
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

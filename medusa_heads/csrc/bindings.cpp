@@ -10,5 +10,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "softmax(q k^T scale + mask) v for a few queries over the cache (see attention.cpp)");
   m.def("chained_draft", &chained_draft, "chained Medusa heads' tree candidates (see draft_heads.cpp)");
   m.def("greedy_accept", &greedy_accept, "greedy verification of a tree: path, count, bonus (see greedy_accept.cpp)");
+  m.def("commit_moves", &commit_moves, "a cache commit's moves of the kept tokens, in place (see cache_commit.cpp)");
   m.def("decoder_layers", &decoder_layers, "a Llama-family decoder's layers for one pass (see decoder_layers.cpp)");
 }

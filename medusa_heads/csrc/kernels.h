@@ -70,5 +70,7 @@ torch::Tensor chained_draft(const torch::Tensor& hidden, const torch::Tensor& ro
                             const c10::optional<torch::Tensor>& token_map);
 std::vector<torch::Tensor> greedy_accept(const torch::Tensor& tokens, const torch::Tensor& logits,
                                          const torch::Tensor& parents, const torch::Tensor& retrieve);
+void commit_moves(torch::Tensor& keys, torch::Tensor& values, const torch::Tensor& lengths, const torch::Tensor& keep,
+                  const torch::Tensor& counts);
 
 }  // namespace medusa_heads
