@@ -134,12 +134,13 @@ class TreeCache(Cache):
         keep (B, a): keep[b, j] is an offset into those tokens, moved to offset j; None when the kept
         tokens already sit in order (a prefill, or a tree of the root alone).
         """
-        if keep is not None and self.keys is not None and speed.native_commit(self.keys):
-            kernels.load().commit_moves(self.keys, self.values, self.lengths, keep, counts)
-        elif keep is not None and self.keys is not None:
-            rows = torch.arange(keep.shape[0], device=keep.device)[:, None]
-            base = self.lengths[:, None]
-            src, dst = base + keep, base + torch.arange(keep.shape[1], device=keep.device)
-            self.keys[:, rows, :, dst] = self.keys[:, rows, :, src]
-            self.values[:, rows, :, dst] = self.values[:, rows, :, src]
+        if keep is not None and self.keys is not None:
+            if speed.native_commit(self.keys):
+                kernels.load().commit_moves(self.keys, self.values, self.lengths, keep, counts)
+            else:
+                rows = torch.arange(keep.shape[0], device=keep.device)[:, None]
+                base = self.lengths[:, None]
+                src, dst = base + keep, base + torch.arange(keep.shape[1], device=keep.device)
+                self.keys[:, rows, :, dst] = self.keys[:, rows, :, src]
+                self.values[:, rows, :, dst] = self.values[:, rows, :, src]
         self.lengths += counts
