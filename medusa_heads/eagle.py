@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels, lean, speed
 from .cache import TreeCache
 from .tree import DynamicTree, StepTree
 from .vocabulary import DraftVocabulary
@@ -86,10 +87,15 @@ class DraftLayer(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: TreeCache | None = None,
                 allowed: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, q, H) at positions (B, q); with a cache (prepared for this pass), attend where `allowed`
-        (B, 1, q, visible slots); without one, causally over x."""
+        (B, 1, q, visible slots); without one, causally over x. Within a decoding step on a CPU (float32, the
+        kernels built: `speed.native_draft`) a pass over the cache is one C++ call (`csrc/decoder_layers.cpp`)
+        over the products' bfloat16 copies."""
         batch, q, _ = x.shape
         angles = positions[..., None].float() * self.inv_freq  # (B, q, head_dim / 2)
-        cos, sin = (torch.cat([f, f], dim=-1)[:, None].to(x.dtype) for f in (angles.cos(), angles.sin()))
+        cos, sin = (torch.cat([f, f], dim=-1).to(x.dtype) for f in (angles.cos(), angles.sin()))
+        if cache is not None and speed.native_draft(x):
+            return self._native(x, cos, sin, cache, allowed)
+        cos, sin = cos[:, None], sin[:, None]
 
         def heads(layer: nn.Linear, count: int, rotate: bool) -> torch.Tensor:
             t = layer(x).view(batch, q, count, self.head_dim).transpose(1, 2)
@@ -107,6 +113,29 @@ class DraftLayer(nn.Module):
         x = x + self.o_proj(out.transpose(1, 2).reshape(batch, q, -1))
         h = self.post_attention_norm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+    def _native(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: TreeCache,
+                allowed: torch.Tensor) -> torch.Tensor:
+        """The pass as `decoder_layers` runs a base layer without its input norm, nor a final one."""
+        if cache.keys is None:
+            like = x.new_empty(0, self.kv_heads, 0, self.head_dim)
+            cache.allocate(like, like)
+        none = x.new_empty(0)  # a norm or a bias the layer does not have
+
+        def products(*names: str) -> list[torch.Tensor]:  # (weight, bias) of each
+            return [t for name in names for t in (speed.draft_weight(getattr(self, name).weight), none)]
+
+        params = [none, none, none, *products("q_proj", "k_proj", "v_proj", "o_proj"), self.post_attention_norm.weight,
+                  *products("gate_proj", "up_proj", "down_proj")]
+        mask = torch.zeros(x.shape[0], 1, *allowed.shape[-2:], dtype=x.dtype).masked_fill_(
+            ~allowed, torch.finfo(x.dtype).min)
+        rows, slots = cache.write_index
+        sizes = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
+        residual = x.clone(memory_format=torch.contiguous_format)  # the call updates it in place
+        return kernels.load().decoder_layers(
+            residual, params, False, sizes, False, [self.gate_proj.out_features] * 2, none,
+            self.post_attention_norm.eps, lean.Native.ROUTES["draft"], cos, sin, cache.keys, cache.values, rows[:, 0],
+            slots, cache.subset, cache.visible, [mask], self.head_dim**-0.5)
 
 
 class EagleDraft(DraftVocabulary):
@@ -126,7 +155,8 @@ class EagleDraft(DraftVocabulary):
                 cache: TreeCache | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """g (B, q, H) from features f_t (B, q, H) and the tokens t + 1 (B, q) at positions t (B, q)."""
         embedded = self.base_embeddings(tokens.to(self.base_embeddings.weight.device)).to(self.fc.weight.dtype)
-        x = self.fc(torch.cat([features.to(self.fc.weight.dtype), embedded], dim=-1))
+        x = speed.draft_linear(torch.cat([features.to(self.fc.weight.dtype), embedded], dim=-1), self.fc.weight,
+                               self.fc.bias)
         return self.layer(x, positions, cache, allowed)
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:

@@ -131,7 +131,8 @@ class Native:
     """A plan's pass as one call of the C++ kernels' `decoder_layers` (float32 on a CPU, where they are built):
     the same operations in the same order, the small ones fused (`csrc/decoder_ops.cpp`)."""
 
-    ROUTES: ClassVar[dict[str, int]] = {"aten": 0, "stream": 1, "packed": 2}  # csrc/decoder_layers.cpp's numbers
+    # csrc/decoder_layers.cpp's numbers of the step routes, and of a draft's products (`eagle.DraftLayer`)
+    ROUTES: ClassVar[dict[str, int]] = {"aten": 0, "stream": 1, "packed": 2, "draft": 3}
 
     @staticmethod
     def runs(plan: Plan) -> bool:

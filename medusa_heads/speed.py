@@ -225,8 +225,9 @@ def draft_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def native_draft(hidden: torch.Tensor) -> bool:
-    """Whether a draft of hidden states runs as one C++ call (`csrc/draft_heads.cpp`): float32 within a decoding
-    step on a CPU, where the kernels are built."""
+    """Whether a draft of hidden states runs as one C++ call (chained Medusa heads: `csrc/draft_heads.cpp`; an
+    EAGLE-style draft's layer: `csrc/decoder_layers.cpp`): float32 within a decoding step on a CPU, where the
+    kernels are built."""
     return NATIVE_DRAFT and hidden.device.type == "cpu" and hidden.dtype == torch.float32 and _kernels_in_step()
 
 

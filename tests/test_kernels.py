@@ -126,6 +126,59 @@ def test_greedy_with_native_drafts_acceptance_and_commits_equals_transformers(ar
         assert tokens == hf_greedy(model.base_model, row[None], 24, eos_token_id=[])[0, ids.shape[1]:].tolist()
 
 
+def counting_draft_layers(monkeypatch) -> list[int]:
+    """The C++ passes of a layer without an input norm (an EAGLE-style draft's, not the base's), counted."""
+    calls, real = [], kernels.load().decoder_layers
+
+    def counted(hidden, params, *rest):
+        calls.extend([1] * (params[0].numel() == 0))
+        return real(hidden, params, *rest)
+
+    monkeypatch.setattr(kernels.load(), "decoder_layers", counted)
+    return calls
+
+
+@pytest.mark.parametrize("width", [3, 70])  # attention.cpp's few queries; sdpa's many
+def test_a_native_eagle_layer_pass_equals_the_modules(width, monkeypatch):
+    layer = MedusaModel.from_pretrained(tiny_model("llama", dtype=torch.float32), draft="eagle").heads.layer
+    monkeypatch.setattr(speed, "DRAFT_BF16", False)  # both ways over the same float32 weights
+    calls = counting_draft_layers(monkeypatch)
+    generator = torch.Generator().manual_seed(width)
+    hidden = layer.q_proj.in_features
+    first, x = torch.randn(2, 8, hidden, generator=generator), torch.randn(2, width, hidden, generator=generator)
+    # the tree's nodes see the 8 committed entries, themselves and a random choice of the nodes before them
+    among = torch.rand(2, 1, width, width, generator=generator).tril(-1) > 0.5
+    allowed = torch.cat([torch.ones(2, 1, width, 8, dtype=torch.bool), among | torch.eye(width, dtype=torch.bool)], -1)
+    results = []
+    for native in (True, False):
+        monkeypatch.setattr(speed, "NATIVE_DRAFT", native)
+        cache = TreeCache(1, 2, 8 + width, torch.device("cpu"))
+        with torch.inference_mode(), speed.decoding_step():
+            cache.prepare(8, 8)
+            layer(first, torch.arange(8).expand(2, 8), cache, torch.ones(8, 8, dtype=torch.bool).tril()[None, None])
+            cache.commit(torch.tensor([8, 8]))
+            cache.prepare(width, 8 + width)
+            results.append((layer(x, torch.tensor([[8], [9]]).expand(2, width), cache, allowed), cache.keys.clone()))
+    assert calls == [1, 1]  # both passes of the first round natively, none of the second
+    (native_out, native_keys), (modules_out, modules_keys) = results
+    torch.testing.assert_close(native_out, modules_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(native_keys, modules_keys, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_with_a_native_eagle_draft_equals_transformers(arch, monkeypatch):
+    torch.manual_seed(1)
+    model = MedusaModel.from_pretrained(tiny_model(arch, dtype=torch.float32), draft="eagle")
+    calls = counting_draft_layers(monkeypatch)
+    prompts = [[5, 9, 3, 7, 5, 9, 3, 7], [4, 8, 6]]
+    ids, mask = decoder_module.pad_batch(prompts)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=24, tree="dynamic-6x2x2+lookup4", eos_token_id=[])
+    assert calls  # the draft's passes ran in C++, over bfloat16 copies of its products
+    for prompt, tokens in zip(prompts, out.new_tokens, strict=True):
+        reference = hf_greedy(model.base_model, torch.tensor([prompt]), 24, eos_token_id=[])[0, len(prompt):]
+        assert tokens == reference.tolist()
+
+
 @pytest.mark.parametrize("paths", [[], [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [1, 0, 0]]])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_native_greedy_acceptance_equals_the_tensor_functions(paths, batch, monkeypatch):

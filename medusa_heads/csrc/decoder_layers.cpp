@@ -8,7 +8,7 @@
 
 namespace {
 
-enum Route : int64_t { kAten = 0, kStream = 1, kPacked = 2 };  // medusa_heads.lean.Native.ROUTES
+enum Route : int64_t { kAten = 0, kStream = 1, kPacked = 2, kDraft = 3 };  // medusa_heads.lean.Native.ROUTES
 constexpr int64_t kFewQueries = 64;  // passes of up to this many tokens attend by attention.cpp (2.7x faster than
                                      // sdpa at 4 tokens over 200 keys, 1.3x at 64 on a 2-core EPYC), others by sdpa
 
@@ -17,7 +17,8 @@ c10::optional<torch::Tensor> bias_of(const torch::Tensor& bias) {
 }
 
 torch::Tensor product(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, int64_t route) {
-  if (route == kStream) return medusa_heads::stream_linear(x, weight, bias_of(bias), false);
+  if (route == kStream || route == kDraft)  // a draft's sums may round in another order
+    return medusa_heads::stream_linear(x, weight, bias_of(bias), route == kDraft);
   if (route == kPacked) {  // oneDNN's linear over the weight's packed copy (what speed._packed_linear calls)
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
@@ -57,7 +58,8 @@ torch::Tensor head_norm(const torch::Tensor& x, const torch::Tensor& weight, int
 }  // namespace
 
 // hidden (B, n, H): the embedded tokens, updated in place as the residual stream; returns the final norm of the
-// last layer's output. Per layer, params holds: input norm, q norm, k norm (empty tensors where the model has none),
+// last layer's output (its output itself where final_norm is empty, as for an EAGLE-style draft's layer). Per layer,
+// params holds: input norm (empty: none, the first layer only), q norm, k norm (empty tensors where the model has none),
 // (weight, bias) of the q/k/v products (one fused, or three), of o, the post-attention norm, (weight, bias) of the
 // gate/up products (one fused, or two), of down. The keys and values are written into cache layer i of keys /
 // values (layers, R, kv_heads, S, D) at rows[b], slots[b, j]; the attention reads its first `visible` slots, of
@@ -80,7 +82,9 @@ torch::Tensor medusa_heads::decoder_layers(torch::Tensor hidden, const std::vect
     const torch::Tensor* p = params.data() + i * per_layer;
     const torch::Tensor &input_norm = p[0], &q_norm = p[1], &k_norm = p[2];
     p += 3;
-    auto qkv = products(rms_norm(hidden, input_norm, eps, delta), p, qkv_fused, qkv_sizes, route);
+    TORCH_CHECK(input_norm.numel() || i == 0, "decoder_layers: only the first layer may lack its input norm");
+    auto qkv = products(input_norm.numel() ? rms_norm(hidden, input_norm, eps, delta) : hidden, p, qkv_fused,
+                        qkv_sizes, route);
     p += qkv_fused ? 2 : 6;
     if (q_norm.numel()) {
       qkv[0] = head_norm(qkv[0], q_norm, D, eps);
@@ -109,5 +113,6 @@ torch::Tensor medusa_heads::decoder_layers(torch::Tensor hidden, const std::vect
     p += gate_up_fused ? 2 : 4;
     delta = product(silu_mul(gate_up[0], gate_up[1]), p[0], p[1], route);
   }
+  if (!final_norm.numel()) return hidden.add_(*delta);
   return rms_norm(hidden, final_norm, eps, delta);
 }
