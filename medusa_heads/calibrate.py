@@ -36,8 +36,9 @@ import hashlib
 import heapq
 import json
 import time
+import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -49,7 +50,7 @@ from .accuracy import accuracy_table, head_ranks, rank_hits
 from .decoding import Decoding
 from .generate import make_decoder
 from .lookup import first_difference
-from .tree import Tree
+from .tree import DynamicTree, Tree
 
 LOOKUPS = (0, 2, 4, 6, 8, 12)  # prompt-lookup branch lengths tried
 TOLERANCE = 0.03  # replayed speed-ups this close to the best count as equal (c's spread over probes, 1-3 %)
@@ -273,56 +274,97 @@ def choose(model, record: Record, ids: torch.Tensor, max_nodes: int = 64, sizes:
 
 
 DYNAMIC_SHAPES = ("dynamic-3x2x1", "dynamic-5x4x1", "dynamic-8x3x3", "dynamic-12x4x3", "dynamic-16x4x4",
-                  "dynamic-24x5x4", "dynamic-32x6x6", "dynamic-48x6x8", "dynamic-64x7x8", "dynamic-3x2x1+lookup8",
-                  "dynamic-8x3x3+lookup8", "dynamic-16x4x4+lookup8")  # an EAGLE draft's candidates
+                  "dynamic-24x5x4", "dynamic-32x6x6", "dynamic-48x6x8", "dynamic-64x7x8", "dynamic-3x2x1+lookup4",
+                  "dynamic-3x2x1+lookup8", "dynamic-8x3x3+lookup4", "dynamic-8x3x3+lookup8",
+                  "dynamic-16x4x4+lookup8")  # an EAGLE draft's candidates
+VERIFY_LADDER = (2, 4, 8, 12, 16, 24, 32)  # tokens verified by the shapes (one draft round, top-32) that measure
+# what each further verified token costs: a lookup branch's, whose length a random probe prompt never shows
 
 
 @dataclass
 class DynamicRecord(SavedRecord):
     """The accepted length of an EAGLE-style draft with each dynamic tree, on the model's greedy answers to a
-    set of prompts (the same on any machine)."""
+    set of prompts (the same on any machine), and how many tokens its steps verified."""
 
     accepted_length: dict[str, float]  # DynamicTree name -> tokens per step, prefill included
+    verified: dict[str, float]  # DynamicTree name -> tokens verified per decoding step: its nodes and lookup drafts
     prompts: int
     max_new_tokens: int
 
     FILE = "dynamic.json"  # its name in a heads folder
 
+    @classmethod
+    def from_json(cls, data: dict) -> DynamicRecord:
+        if "verified" not in data:
+            raise OutdatedRecord("it lacks the tokens its steps verified")
+        return cls(**data)
+
+
+class OutdatedRecord(ValueError):
+    """A saved record from an older version, which lacks what choosing a tree now needs."""
+
 
 def load_record(directory: str | Path) -> Record | DynamicRecord | None:
-    """The record saved in a heads folder (Medusa heads' replay record, or an EAGLE draft's), if any."""
+    """The record saved in a heads folder (Medusa heads' replay record, or an EAGLE draft's), if any; an
+    outdated one is ignored, with a warning that says how to record it again."""
     for kind in (Record, DynamicRecord):
         if (Path(directory) / kind.FILE).exists():
-            return kind.load(Path(directory) / kind.FILE)
+            try:
+                return kind.load(Path(directory) / kind.FILE)
+            except OutdatedRecord as e:
+                warnings.warn(f"{Path(directory) / kind.FILE} is ignored: {e}; run `medusa calibrate --heads "
+                              f"{directory}` to record it again", stacklevel=2)
     return None
 
 
 @torch.inference_mode()
 def record_dynamic(model, prompts: list[torch.Tensor], max_new_tokens: int,
                    shapes: tuple[str, ...] = DYNAMIC_SHAPES) -> DynamicRecord:
-    """Greedy-decode every prompt with every shape; the accepted length of each (all shapes give the same
-    tokens, so each is measured on the same answers)."""
-    accepted = {}
+    """Greedy-decode every prompt with every shape; the accepted length of each and the tokens its steps
+    verified (all shapes give the same tokens, so each is measured on the same answers)."""
+    accepted, verified = {}, {}
     for name in shapes:
         outputs = [model.generate(ids, max_new_tokens=max_new_tokens, tree=name) for ids in prompts]
         accepted[name] = sum(len(o.new_tokens[0]) for o in outputs) / sum(o.steps for o in outputs)
-    return DynamicRecord(accepted, len(prompts), max_new_tokens)
+        verified[name] = sum(sum(o.verified[0]) for o in outputs) / max(1, sum(len(o.verified[0]) for o in outputs))
+    return DynamicRecord(accepted, verified, len(prompts), max_new_tokens)
+
+
+def timed_shapes(record: DynamicRecord) -> list[DynamicTree]:
+    """The shapes `choose_dynamic` times: each recorded one without its lookup branch, then (if some shape has
+    a lookup branch) the `VERIFY_LADDER`."""
+    shapes = [Tree.load(name) for name in record.accepted_length]
+    ladder = _ladder() if any(shape.lookup for shape in shapes) else []
+    return list(dict.fromkeys([replace(shape, lookup=0) for shape in shapes] + ladder))
+
+
+def _ladder() -> list[DynamicTree]:
+    return [DynamicTree(n, 1, max(VERIFY_LADDER)) for n in VERIFY_LADDER]
 
 
 def choose_dynamic(model, record: DynamicRecord, ids: torch.Tensor, tolerance: float = TOLERANCE, steps: int = 8,
                    rounds: int = 5, progress: Callable[[], None] | None = None) -> dict:
-    """This device's dynamic tree: each recorded shape's step cost measured here (relative to a plain step),
-    and of those whose accepted length per cost is within tolerance of the best, the one whose steps cost
-    least. Returns the chosen tree, the table and the cost curve (by tokens verified per step)."""
+    """This device's dynamic tree: the step cost of each recorded shape here (relative to a plain step), and of
+    those whose accepted length per cost is within tolerance of the best, the one whose steps cost least.
+
+    A shape's steps are timed without its lookup branch (on the probe's prompt a lookup drafts nothing), and
+    the branch adds what verifying the recorded mean of lookup tokens costs: the difference, on the
+    `VERIFY_LADDER` shapes, between verifying the shape's nodes and them plus those tokens. Returns the
+    chosen tree, the table and the cost curve (by tokens verified per step)."""
     shapes = [Tree.load(name) for name in record.accepted_length]
-    costs = cost_curve(model, ids, shapes, steps, rounds, progress)
+    timed = timed_shapes(record)
+    costs = dict(zip(timed, cost_curve(model, ids, timed, steps, rounds, progress), strict=True))
+    if any(shape.lookup for shape in shapes):
+        verify = interpolate(list(VERIFY_LADDER), nondecreasing([costs[shape] for shape in _ladder()]))
     table, options = [], [(1.0, 1.0, Tree([], name="plain"))]
-    for shape, cost in zip(shapes, costs, strict=True):
-        accepted = record.accepted_length[shape.name]
+    for shape in shapes:
+        accepted, cost = record.accepted_length[shape.name], costs[replace(shape, lookup=0)]
+        if shape.lookup:
+            cost += verify(record.verified[shape.name]) - verify(shape.tokens)
         table.append({"tree": shape.name, "accepted_length": accepted, "cost": cost, "speedup": accepted / cost})
         options.append((accepted / cost, cost, shape))
     _, _, tree = pick(options, tolerance)
-    curve = sorted({shape.size: cost for shape, cost in zip(shapes, costs, strict=True)}.items())
+    curve = sorted({shape.tokens: costs[replace(shape, lookup=0)] for shape in shapes}.items())
     return {"tree": tree, "table": table,
             "cost_curve": {"tokens": [1] + [n for n, _ in curve], "cost": [1.0] + [c for _, c in curve]}}
 

@@ -79,6 +79,7 @@ class Progress:
     tokens: list[int]
     accept_lengths: list[int]
     finish_reason: str | None  # "stop", "length", "cancelled" or None (still decoding)
+    verified: list[int]  # tokens each decoding step verified for the row: its tree's nodes and its lookup draft
 
     @property
     def mean_accepted_length(self) -> float:
@@ -97,6 +98,7 @@ class _Row:
     stop: list[str]
     tokens: list[int] = field(default_factory=list)
     accept_lengths: list[int] = field(default_factory=list)
+    verified: list[int] = field(default_factory=list)  # per decoding step: its tree's nodes and its lookup draft
     lookup_budget: int = 0  # most lookup tokens this row drafts (`adaptive`)
     head_depth: float | None = None  # moving average of how deep the heads' guesses were right (`adaptive`)
     stop_at: int | None = None  # character offset of a stop string in the decoded text
@@ -190,7 +192,8 @@ class Decoder:
 
     def progress(self, row_id: int) -> Progress:
         row = self._rows[row_id]
-        return Progress(len(row.prompt), list(row.tokens), list(row.accept_lengths), row.finish_reason)
+        return Progress(len(row.prompt), list(row.tokens), list(row.accept_lengths), row.finish_reason,
+                        list(row.verified))
 
     @property
     def busy(self) -> bool:
@@ -268,6 +271,9 @@ class Decoder:
             step, heads_on, drafts = self._static_tree(requests)
         tokens = step.tokens
         n = tokens.shape[1]
+        nodes = n - max(map(len, drafts), default=0)  # the tree's nodes, the (padded) lookup branch aside
+        for row, draft in zip(requests, drafts or [[]] * batch, strict=True):
+            row.verified.append(nodes + len(draft))
         lengths = self.cache.lengths
         positions = lengths[:, None] + step.depths  # (B, n)
         slots = torch.arange(int(lengths.max()) + n, device=self.device)

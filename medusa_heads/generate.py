@@ -25,6 +25,8 @@ class GenerationOutput:
     texts: list[str] | None = None  # per row, decoded new text, cut before any stop string
     finish_reasons: list[str] = field(default_factory=list)  # per row: "stop" (EOS / stop string) or "length"
     elapsed: float = 0.0  # seconds, prefill included
+    verified: list[list[int]] = field(default_factory=list)  # per row, tokens each decoding step verified for
+    # it (its tree's nodes and its lookup draft; a batch's pass is as wide as its widest row's)
 
     @property
     def steps(self) -> int:
@@ -65,7 +67,8 @@ def _output(decoder: Decoder, input_ids: torch.Tensor, elapsed: float) -> Genera
     texts = [decoder.text(i) for i in range(len(rows))] if decoder.model.tokenizer is not None else None
     return GenerationOutput(sequences=torch.cat([input_ids.cpu(), new], dim=1), new_tokens=[r.tokens for r in rows],
                             accept_lengths=[r.accept_lengths for r in rows], texts=texts,
-                            finish_reasons=[r.finish_reason for r in rows], elapsed=elapsed)
+                            finish_reasons=[r.finish_reason for r in rows], elapsed=elapsed,
+                            verified=[r.verified for r in rows])
 
 
 def stream(model, input_ids: torch.Tensor, eos_token_id: int | list[int] | None = None, **settings) -> Iterator[str]:

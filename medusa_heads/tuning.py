@@ -34,7 +34,7 @@ import torch
 from tqdm import tqdm
 
 from . import speed
-from .calibrate import DynamicRecord, choose, choose_dynamic
+from .calibrate import DynamicRecord, choose, choose_dynamic, timed_shapes
 from .default import cache_dir
 from .tree import Tree
 
@@ -170,7 +170,7 @@ def probe(model, description: dict) -> Tuning:
     start = time.perf_counter()
     record = model.record
     dtypes = {layer.weight.dtype for layer in speed.cpu_linears(model)} if speed.ENABLED else set()
-    trees = len(record.accepted_length) if isinstance(record, DynamicRecord) else len(SIZES)
+    trees = len(timed_shapes(record)) if isinstance(record, DynamicRecord) else len(SIZES)
     runs = ROUTE_ROUNDS * len(dtypes) + (ROUNDS * trees if record else 0)
     with tqdm(total=runs, desc="probing this machine (once)", unit="run", leave=False) as bar:
         model.install_speed_levers()

@@ -197,6 +197,7 @@ def test_auto_chooses_a_recorded_dynamic_tree_by_its_cost_here(monkeypatch, tmp_
     for name in shapes:  # greedy decoding with the shape accepts what the record says
         outs = [model.generate(p, max_new_tokens=16, tree=name) for p in prompts]
         assert record.accepted_length[name] == sum(len(o.new_tokens[0]) for o in outs) / sum(o.steps for o in outs)
+        assert record.verified[name] == Tree.load(name).tokens  # every step verifies the shape's nodes
     record.accepted_length = {"dynamic-3x2x1": 1.5, "dynamic-8x3x3": 2.0}
     folder = tmp_path / "draft"  # the record goes with the draft, as `medusa calibrate` saves it
     model.record = record
@@ -214,3 +215,42 @@ def test_auto_chooses_a_recorded_dynamic_tree_by_its_cost_here(monkeypatch, tmp_
         assert resolve_tree(reloaded, "auto") == chosen
     cached = tuning.Tuning.from_json(json.loads(json.dumps(tuning.tuning(reloaded).to_json())))
     assert cached.tree == DynamicTree.parse("dynamic-3x2x1")
+
+
+def test_a_lookup_branch_is_priced_by_the_tokens_it_verified(monkeypatch):
+    """A shape's lookup branch drafts nothing on the probe's prompt, so it costs its shape's timed step plus
+    what the verification ladder says its recorded lookup tokens cost; a branch that verifies many tokens
+    for few accepted ones loses to its shape alone."""
+    from medusa_heads import calibrate
+
+    model = eagle_tiny("llama")
+    prompts = [torch.tensor([REPEATING]), torch.tensor([[6, 7, 8, 9, 6, 7, 8, 9, 6]])]
+    record = calibrate.record_dynamic(model, prompts, max_new_tokens=16, shapes=("dynamic-3x2x1",
+                                                                                "dynamic-3x2x1+lookup4"))
+    outs = [model.generate(p, max_new_tokens=16, tree="dynamic-3x2x1+lookup4") for p in prompts]
+    assert record.verified["dynamic-3x2x1+lookup4"] == sum(sum(o.verified[0]) for o in outs) / sum(
+        len(o.verified[0]) for o in outs) > 3
+    timed = calibrate.timed_shapes(record)
+    assert timed[0] == DynamicTree.parse("dynamic-3x2x1") and len(timed) == 1 + len(calibrate.VERIFY_LADDER)
+
+    def made_up(model, ids, shapes, *args, **kwargs):  # 1.3 for the shape, 0.1 per token on the ladder
+        assert shapes == timed
+        return [1.3] + [1.0 + 0.1 * n for n in calibrate.VERIFY_LADDER]
+
+    monkeypatch.setattr(calibrate, "cost_curve", made_up)
+    record.verified["dynamic-3x2x1+lookup4"] = 5.0
+    for accepted, expected in ((2.0, "dynamic-3x2x1+lookup4"), (1.7, "dynamic-3x2x1")):
+        record.accepted_length = {"dynamic-3x2x1": 1.6, "dynamic-3x2x1+lookup4": accepted}
+        result = calibrate.choose_dynamic(model, record, prompts[0])
+        assert result["table"][1]["cost"] == pytest.approx(1.3 + 0.1 * (5 - 3))
+        assert result["tree"].name == expected  # 2.0 / 1.5 beats 1.6 / 1.3; 1.7 / 1.5 does not
+
+
+def test_an_outdated_dynamic_record_is_ignored_with_a_warning(tmp_path):
+    model = eagle_tiny("llama")
+    model.save_pretrained(tmp_path)
+    (tmp_path / "dynamic.json").write_text(json.dumps({"accepted_length": {"dynamic-3x2x1": 1.5}, "prompts": 1,
+                                                       "max_new_tokens": 8}))  # as recorded before `verified`
+    with pytest.warns(UserWarning, match="run `medusa calibrate --heads"):
+        reloaded = MedusaModel.from_pretrained(model.base_model, heads=tmp_path)
+    assert reloaded.record is None

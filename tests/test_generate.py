@@ -10,6 +10,7 @@ from tiny import tiny_tokenizer
 from medusa_heads import Tree
 from medusa_heads import decoder as decoder_module
 from medusa_heads import generate as generate_module
+from medusa_heads import lookup
 
 TREES = ["plain", "chain-4", "dense-2x3", "reference", "default", "default+lookup5"]
 
@@ -168,6 +169,25 @@ def test_step_updates_account_for_every_token():
         decoder.forget(rows[-1] + 1)
     with pytest.raises(ValueError, match="non-empty 1-D tensor"):
         decoder.add(decoder_module.Request(torch.tensor([[3, 4]])))
+
+
+@pytest.mark.parametrize("adapt", [False, True])
+def test_each_step_counts_the_tokens_it_verified(adapt):
+    """A row's step verifies its tree's nodes (the root and two heads') and its lookup draft (with a fixed
+    budget unless adapting): the count that prices a lookup branch (`calibrate.choose_dynamic`)."""
+    model = medusa_tiny("llama")
+    prompts = [[3, 4, 5, 3, 4, 5, 3, 4, 5, 6], [6, 7, 8, 9, 6, 7, 8, 9, 6]]
+    ids, mask = decoder_module.pad_batch(prompts)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=30, tree="chain-2+lookup4", eos_token_id=[],
+                         adapt=adapt)
+    for prompt, tokens, lengths, verified in zip(prompts, out.new_tokens, out.accept_lengths, out.verified,
+                                                 strict=True):
+        assert len(verified) == len(lengths) - 1  # one per step after the prefill
+        drafts = [len(lookup.continuation(prompt + tokens[: sum(lengths[: i + 1])], 4)) for i in range(len(verified))]
+        assert all(v >= 3 for v in verified)
+        if not adapt:
+            assert verified == [3 + d for d in drafts]
+        assert sum(v > 3 for v in verified) == sum(d > 0 for d in drafts) > 0
 
 
 def with_tokenizer(model):
