@@ -62,6 +62,16 @@ class TreeCache(Cache):
         for layer in self.layers:
             layer.is_initialized = True
 
+    def for_kernels(self, like: torch.Tensor, kv_heads: int, head_dim: int) -> tuple:
+        """What a pass of the C++ kernels (`decoder_layers`) takes of the cache: the buffers (allocated at a first
+        pass, for kv_heads x head_dim in like's dtype and device), where it writes, which rows it runs on and
+        how many slots it reads."""
+        if self.keys is None:
+            shape = like.new_empty(0, kv_heads, 0, head_dim)
+            self.allocate(shape, shape)
+        rows, slots = self.write_index
+        return self.keys, self.values, rows[:, 0], slots, self.subset, self.visible
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if self.keys is None:
             self.allocate(key_states, value_states)

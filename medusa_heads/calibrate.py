@@ -277,8 +277,9 @@ DYNAMIC_SHAPES = ("dynamic-3x2x1", "dynamic-5x4x1", "dynamic-8x3x3", "dynamic-12
                   "dynamic-24x5x4", "dynamic-32x6x6", "dynamic-48x6x8", "dynamic-64x7x8", "dynamic-3x2x1+lookup4",
                   "dynamic-3x2x1+lookup8", "dynamic-8x3x3+lookup4", "dynamic-8x3x3+lookup8",
                   "dynamic-16x4x4+lookup8")  # an EAGLE draft's candidates
-VERIFY_LADDER = (2, 4, 8, 12, 16, 24, 32)  # tokens verified by the shapes (one draft round, top-32) that measure
-# what each further verified token costs: a lookup branch's, whose length a random probe prompt never shows
+VERIFY_LADDER = (2, 4, 8, 12, 16, 24, 32)  # tokens verified by the shapes (two draft rounds of top-6: the same
+# draft work for all) that measure what each further verified token costs: a lookup branch's, whose length a
+# random probe prompt never shows
 
 
 @dataclass
@@ -339,7 +340,7 @@ def timed_shapes(record: DynamicRecord) -> list[DynamicTree]:
 
 
 def _ladder() -> list[DynamicTree]:
-    return [DynamicTree(n, 1, max(VERIFY_LADDER)) for n in VERIFY_LADDER]
+    return [DynamicTree(n, 2, 6) for n in VERIFY_LADDER]
 
 
 def choose_dynamic(model, record: DynamicRecord, ids: torch.Tensor, tolerance: float = TOLERANCE, steps: int = 8,

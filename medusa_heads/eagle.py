@@ -117,9 +117,6 @@ class DraftLayer(nn.Module):
     def _native(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: TreeCache,
                 allowed: torch.Tensor) -> torch.Tensor:
         """The pass as `decoder_layers` runs a base layer without its input norm, nor a final one."""
-        if cache.keys is None:
-            like = x.new_empty(0, self.kv_heads, 0, self.head_dim)
-            cache.allocate(like, like)
         none = x.new_empty(0)  # a norm or a bias the layer does not have
 
         def products(*names: str) -> list[torch.Tensor]:  # (weight, bias) of each
@@ -129,13 +126,12 @@ class DraftLayer(nn.Module):
                   *products("gate_proj", "up_proj", "down_proj")]
         mask = torch.zeros(x.shape[0], 1, *allowed.shape[-2:], dtype=x.dtype).masked_fill_(
             ~allowed, torch.finfo(x.dtype).min)
-        rows, slots = cache.write_index
         sizes = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
         residual = x.clone(memory_format=torch.contiguous_format)  # the call updates it in place
         return kernels.load().decoder_layers(
             residual, params, False, sizes, False, [self.gate_proj.out_features] * 2, none,
-            self.post_attention_norm.eps, lean.Native.ROUTES["draft"], cos, sin, cache.keys, cache.values, rows[:, 0],
-            slots, cache.subset, cache.visible, [mask], self.head_dim**-0.5)
+            self.post_attention_norm.eps, lean.Native.ROUTES["draft"], cos, sin,
+            *cache.for_kernels(x, self.kv_heads, self.head_dim), [mask], self.head_dim**-0.5)
 
 
 class EagleDraft(DraftVocabulary):

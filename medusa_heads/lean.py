@@ -171,15 +171,11 @@ class Native:
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, route: str,
                 masks: list[torch.Tensor | None], cache: TreeCache) -> torch.Tensor:
-        if cache.keys is None:  # a first pass: the cache takes its shapes from the model's keys and values
-            like = hidden.new_empty(0, self.kv_heads, 0, self.head_dim)
-            cache.allocate(like, like)
         params = self.params.get(route)
         if params is None:
             pack = speed.packed if route == "packed" else None
             params = self.params[route] = [pack(t) if pack and weight else t for t, weight in self.entries]
-        rows, slots = cache.write_index
         return self.kernels.decoder_layers(
             hidden, params, self.qkv_fused, self.qkv_sizes, self.gate_up_fused, self.gate_up_sizes, self.final_norm,
-            self.eps, self.ROUTES[route], cos, sin, cache.keys, cache.values, rows[:, 0], slots, cache.subset,
-            cache.visible, masks, self.scaling)
+            self.eps, self.ROUTES[route], cos, sin, *cache.for_kernels(hidden, self.kv_heads, self.head_dim), masks,
+            self.scaling)

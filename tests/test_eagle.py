@@ -244,6 +244,9 @@ def test_a_lookup_branch_is_priced_by_the_tokens_it_verified(monkeypatch):
         result = calibrate.choose_dynamic(model, record, prompts[0])
         assert result["table"][1]["cost"] == pytest.approx(1.3 + 0.1 * (5 - 3))
         assert result["tree"].name == expected  # 2.0 / 1.5 beats 1.6 / 1.3; 1.7 / 1.5 does not
+    monkeypatch.undo()
+    timed_here = calibrate.choose_dynamic(model, record, prompts[0], steps=1, rounds=1)  # the ladder runs here
+    assert [row["tree"] for row in timed_here["table"]] == list(record.accepted_length)
 
 
 def test_an_outdated_dynamic_record_is_ignored_with_a_warning(tmp_path):

@@ -7,10 +7,9 @@ import torch
 from conftest import ARCHS, hf_greedy, medusa_tiny
 from tiny import tiny_tokenizer
 
-from medusa_heads import Tree
+from medusa_heads import Tree, lookup
 from medusa_heads import decoder as decoder_module
 from medusa_heads import generate as generate_module
-from medusa_heads import lookup
 
 TREES = ["plain", "chain-4", "dense-2x3", "reference", "default", "default+lookup5"]
 
