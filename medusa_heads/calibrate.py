@@ -273,9 +273,10 @@ def choose(model, record: Record, ids: torch.Tensor, max_nodes: int = 64, sizes:
     return {"tree": tree, "table": table, "cost_curve": {"tokens": widths, "cost": fitted}}
 
 
-DYNAMIC_SHAPES = ("dynamic-3x2x1", "dynamic-5x4x1", "dynamic-8x3x3", "dynamic-12x4x3", "dynamic-16x4x4",
-                  "dynamic-24x5x4", "dynamic-32x6x6", "dynamic-48x6x8", "dynamic-64x7x8", "dynamic-3x2x1+lookup4",
-                  "dynamic-3x2x1+lookup8", "dynamic-8x3x3+lookup4", "dynamic-8x3x3+lookup8",
+DYNAMIC_SHAPES = ("dynamic-2x1x1", "dynamic-3x2x1", "dynamic-5x4x1", "dynamic-8x3x3", "dynamic-12x4x3",
+                  "dynamic-16x4x4", "dynamic-24x5x4", "dynamic-32x6x6", "dynamic-48x6x8", "dynamic-64x7x8",
+                  "dynamic-2x1x1+lookup4", "dynamic-2x1x1+lookup8", "dynamic-3x2x1+lookup4", "dynamic-3x2x1+lookup8",
+                  "dynamic-8x3x3+lookup4", "dynamic-8x3x3+lookup8",
                   "dynamic-16x4x4+lookup8")  # an EAGLE draft's candidates
 VERIFY_LADDER = (2, 4, 8, 12, 16, 24, 32)  # tokens verified by the shapes (two draft rounds of top-6: the same
 # draft work for all) that measure what each further verified token costs: a lookup branch's, whose length a
