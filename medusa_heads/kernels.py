@@ -1,16 +1,16 @@
-"""The C++ kernels of a CPU decoding step (`csrc/`), compiled on first use for the CPU at hand: the "stream"
-linear product (`csrc/stream_linear.cpp`: a float32 product over a few rows that reads each weight row once for all
-of them, so that a decoding step's products run at the memory's speed; a kernel route of `medusa_heads.speed`; over
-bfloat16 weights for drafts, `speed.draft_linear`), the fused small operations of a Llama-family layer
-(`csrc/decoder_ops.cpp`) and the attention of a pass of a few tokens (`csrc/attention.cpp`), used by
-`medusa_heads.lean` and an EAGLE-style draft's layer (`medusa_heads.eagle`), chained Medusa heads' draft of a
-tree (`csrc/draft_heads.cpp`, `speed.native_draft`) and greedy acceptance (`csrc/greedy_accept.cpp`,
-`speed.native_accept`) and the moves of a cache commit (`csrc/cache_commit.cpp`, `speed.native_commit`).
-They are built with torch's C++ extension tools (a C++ compiler and ninja; -march=native; 1-3 minutes on 2 cores,
-once per machine, torch version and source) into torch's extension folder. Where they cannot be built (no
-compiler, no AVX2/FMA, not x86) a warning says why and decoding does without them: the probe
-(`speed.probe_routes`) leaves the stream route out, and the lean decoder runs transformers' own operations. Set
-MEDUSA_HEADS_KERNELS=0 to do without them."""
+"""The C++ kernels of a CPU decoding step (`csrc/`), compiled on first use for the CPU at hand: the "stream" linear
+product (`csrc/stream_linear.cpp`: a product over a few rows, summed in float32, that reads each weight row once for
+all of them, so that a decoding step's products run at the memory's speed; a kernel route of `medusa_heads.speed`
+for float32 and bfloat16 models; over bfloat16 weights for drafts, `speed.draft_linear`), the fused small operations
+of a Llama-family layer (`csrc/decoder_ops.cpp`) and the attention of a pass of a few tokens (`csrc/attention.cpp`),
+used by `medusa_heads.lean` and an EAGLE-style draft's layer (`medusa_heads.eagle`), chained Medusa heads' draft of
+a tree (`csrc/draft_heads.cpp`, `speed.native_draft`) and greedy acceptance (`csrc/greedy_accept.cpp`,
+`speed.native_accept`) and the moves of a cache commit (`csrc/cache_commit.cpp`, `speed.native_commit`). They are
+built with torch's C++ extension tools (a C++ compiler and ninja; -march=native; 1-3 minutes on 2 cores, once per
+machine, torch version and source) into torch's extension folder. Where they cannot be built (no compiler, no
+AVX2/FMA, not x86) a warning says why and decoding does without them: the probe (`speed.probe_routes`) leaves the
+stream route out, and the lean decoder runs transformers' own operations. Set MEDUSA_HEADS_KERNELS=0 to do without
+them."""
 
 from __future__ import annotations
 

@@ -10,7 +10,9 @@ flat in the rows and aten grows fast (SmolLM2-135M's 210 linear layers with cold
 faster (`Routes`, chosen per machine by `medusa_heads.tuning`). A third route, "stream"
 (`medusa_heads.kernels`, compiled on first use), reads each weight row once for all rows: on a
 2-core AMD EPYC it takes SmolLM2-135M's products at 1 row in ~27-34 ms against packed's ~40-52, and
-wins up to ~16 rows; the probe takes it where it measures faster. Without a probe, float32 takes the
+wins up to ~16 rows; the probe takes it where it measures faster. A bfloat16 model's products take it too
+(summed in float32, rounded once): reading half the bytes, it beats packed bfloat16 at few rows where
+oneDNN's small products do not stream the weights at the memory's speed. Without a probe, float32 takes the
 packed route and bfloat16 aten. Each packed weight is a second copy of the weight, made at its first
 use once packing has paid (`Routes`: until then the copies are rented) and remade when the weight
 changes; a model whose copies would not fit in half the free memory decodes without them. Set

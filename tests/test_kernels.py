@@ -244,10 +244,26 @@ def test_greedy_with_bfloat16_drafts_equals_transformers(arch, monkeypatch):
     assert out.new_tokens[0] == hf_greedy(model.base_model, ids, 24, eos_token_id=[])[0, ids.shape[1]:].tolist()
 
 
+@pytest.mark.parametrize("rows", [1, 5, 9])
+def test_a_bfloat16_models_product_sums_in_float32_and_rounds_once(rows):
+    """bfloat16 x over a bfloat16 weight (a bfloat16 model's product on the stream route): the float32 product of
+    the same values, rounded to bfloat16 at the end."""
+    generator = torch.Generator().manual_seed(rows)
+    for inputs in (7, 579):
+        x, weight = torch.randn(rows, inputs, generator=generator).bfloat16(), torch.randn(41, inputs).bfloat16()
+        for bias in (None, torch.randn(41, generator=generator).bfloat16()):
+            wide = None if bias is None else bias.float()
+            expected = stream_linear(x.float(), weight, wide).bfloat16()
+            assert torch.equal(stream_linear(x, weight, bias), expected)
+            assert torch.allclose(expected.float(), F.linear(x, weight, bias).float(), rtol=2e-2, atol=2e-2)
+
+
 def test_refuses_what_it_does_not_compute():
     x, weight = torch.randn(2, 16), torch.randn(8, 16)
-    with pytest.raises(RuntimeError, match="float32"):
-        stream_linear(x.bfloat16(), weight.bfloat16(), None)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        stream_linear(x.half(), weight.half(), None)
+    with pytest.raises(RuntimeError, match="needs a bfloat16 weight"):
+        stream_linear(x.bfloat16(), weight, None)
     with pytest.raises(RuntimeError, match="contiguous"):
         stream_linear(x, torch.randn(16, 8).T, None)
     with pytest.raises(RuntimeError, match="sizes differ"):
@@ -271,6 +287,23 @@ def test_greedy_with_every_product_on_one_route_and_fused_operations_equals_tran
             expected = hf_greedy(model.base_model, torch.tensor([prompt]), 24, eos_token_id=[])[0, len(prompt):]
             assert tokens == expected.tolist(), (arch, tree)
     assert used  # the products did take the route
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_bfloat16_model_on_the_stream_route_decodes_as_its_plain_steps_do(arch, monkeypatch):
+    """The probe times the stream route for a bfloat16 model too; on it every row of a tree pass rounds as a plain
+    step's row does, so greedy Medusa in bfloat16 equals plain decoding through the same loop."""
+    model = randomize_heads(MedusaModel.from_pretrained(tiny_model(arch, dtype=torch.bfloat16), num_heads=3))
+    speed.install(model)
+    assert "stream" in speed.probe_routes(model, widths=(1, 4), rounds=1).times["torch.bfloat16"]
+    used = []
+    monkeypatch.setitem(speed.ROUTES, "stream", lambda x, w, b: used.append(x.dtype) or stream_linear(x, w, b))
+    monkeypatch.setattr(speed.Routes, "route", lambda self, rows, dtype, elements: "stream")
+    ids = torch.tensor([[5, 9, 3, 7, 5, 9, 3, 7]])
+    plain, medusa = (model.generate(ids, max_new_tokens=24, tree=tree, eos_token_id=[]).new_tokens
+                     for tree in ("plain", "default"))
+    assert medusa == plain
+    assert used and set(used) == {torch.bfloat16}
 
 
 def test_the_probe_times_the_route_and_leaves_it_out_where_it_cannot_be_built(monkeypatch):

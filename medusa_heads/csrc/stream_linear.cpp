@@ -1,9 +1,12 @@
 // y = x W^T + b in float32 for a few rows of x: each row of W is read once from memory for all of them, so a
 // decoding step's products run at the memory's speed (oneDNN and MKL reorder or block for larger products).
-// W is float32, or bfloat16 (half the memory to read; widened to float32 exactly, then summed as float32).
+// W is float32, or bfloat16 (half the memory to read; widened to float32 exactly, then summed as float32); a bfloat16
+// x (a bfloat16 model's product, over a bfloat16 W) is widened too, and the float32 sums rounded to bfloat16.
 // Built for the CPU at hand (-march=native) by medusa_heads/kernels.py; needs AVX2 and FMA.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include <vector>
 
 #include "kernels.h"
 
@@ -25,8 +28,8 @@ inline __m256 load8(const at::BFloat16* w) {  // a bfloat16 is the high half of 
 // y[m] = w . x[m] (+ b) for R rows of x and one row of w (R known at compile time: the R sums stay in registers,
 // and each load of w serves R products). Each sum runs in the same order whatever R is, so a row's product is
 // the same in a pass of one row as in a pass of many.
-template <int R, typename T>
-void dot_tile(const T* __restrict w, const float* __restrict x, int64_t K, float* __restrict y, int64_t N,
+template <int R, typename T, typename O>
+void dot_tile(const T* __restrict w, const float* __restrict x, int64_t K, O* __restrict y, int64_t N,
               const float* __restrict b) {
   constexpr int64_t line = 64 / sizeof(T), ahead = kAhead / sizeof(T);  // weights per cache line, fetched ahead
   __m256 sums[R];
@@ -47,8 +50,8 @@ void dot_tile(const T* __restrict w, const float* __restrict x, int64_t K, float
 // the same for a draft's products (any order of the sums will do): each row's sum in kChains chains of fused
 // multiply-adds, so that the adds' latency does not bound a product whose W the caches hold (a draft's
 // projection, 8,192 x 576 in bfloat16: 4x faster with warm caches on a Zen 3)
-template <int R, typename T>
-void chained_tile(const T* __restrict w, const float* __restrict x, int64_t K, float* __restrict y, int64_t N,
+template <int R, typename T, typename O>
+void chained_tile(const T* __restrict w, const float* __restrict x, int64_t K, O* __restrict y, int64_t N,
                   const float* __restrict b) {
   constexpr int64_t line = 64 / sizeof(T), ahead = kAhead / sizeof(T);
   __m256 sums[R][kChains];
@@ -77,8 +80,8 @@ void chained_tile(const T* __restrict w, const float* __restrict x, int64_t K, f
   }
 }
 
-template <typename T, int R, bool chained>
-void dot_rows(const T* w, const float* x, int64_t rows, int64_t K, float* y, int64_t N, const float* b) {
+template <typename T, int R, bool chained, typename O>
+void dot_rows(const T* w, const float* x, int64_t rows, int64_t K, O* y, int64_t N, const float* b) {
   if constexpr (R > 1) {
     if (rows < R) return dot_rows<T, R - 1, chained>(w, x, rows, K, y, N, b);
   }
@@ -88,8 +91,8 @@ void dot_rows(const T* w, const float* x, int64_t rows, int64_t K, float* y, int
     dot_tile<R>(w, x, K, y, N, b);
 }
 
-template <bool chained, typename T>
-void products(const T* W, const float* X, int64_t M, int64_t K, int64_t N, const float* B, float* Y) {
+template <bool chained, typename T, typename O>
+void products(const T* W, const float* X, int64_t M, int64_t K, int64_t N, const float* B, O* Y) {
   constexpr int64_t tile = chained ? kChainedRows : kRows;
   at::parallel_for(0, (N + kOutputs - 1) / kOutputs, 1, [=](int64_t begin, int64_t end) {
     for (int64_t n = begin * kOutputs; n < std::min(end * kOutputs, N); ++n)
@@ -99,34 +102,49 @@ void products(const T* W, const float* X, int64_t M, int64_t K, int64_t N, const
   });
 }
 
+template <typename T, typename O>
+void products(bool chained, const T* W, const float* X, int64_t M, int64_t K, int64_t N, const float* B, O* Y) {
+  chained ? products<true>(W, X, M, K, N, B, Y) : products<false>(W, X, M, K, N, B, Y);
+}
+
+// a bfloat16 tensor's values in float32 (exactly)
+std::vector<float> widened(const torch::Tensor& t) {
+  const auto* h = t.data_ptr<at::BFloat16>();
+  return std::vector<float>(h, h + t.numel());
+}
+
 }  // namespace
 
 torch::Tensor medusa_heads::stream_linear(const torch::Tensor& x, const torch::Tensor& weight,
                                          const c10::optional<torch::Tensor>& bias, bool draft) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32, "stream_linear: x must be float32 on the CPU");
+  const bool model_halves = x.scalar_type() == torch::kBFloat16;  // a bfloat16 model's product
+  TORCH_CHECK(x.device().is_cpu() && (model_halves || x.scalar_type() == torch::kFloat32),
+              "stream_linear: x must be float32 or bfloat16 on the CPU");
   const bool halves = weight.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(weight.dim() == 2 && (halves || weight.scalar_type() == torch::kFloat32) && weight.is_contiguous(),
               "stream_linear: weight must be a contiguous float32 or bfloat16 matrix");
+  TORCH_CHECK(halves || !model_halves, "stream_linear: bfloat16 x needs a bfloat16 weight");
   TORCH_CHECK(x.size(-1) == weight.size(1), "stream_linear: x and weight sizes differ");
   const auto rows = x.reshape({-1, x.size(-1)}).contiguous();
   const int64_t M = rows.size(0), K = rows.size(1), N = weight.size(0);
   auto out = torch::empty({M, N}, x.options());
-  const float* X = rows.data_ptr<float>();
+  std::vector<float> x_wide, b_wide;  // a bfloat16 model's rows and bias in float32
+  if (model_halves) x_wide = widened(rows);
+  const float* X = model_halves ? x_wide.data() : rows.data_ptr<float>();
   const float* B = nullptr;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous(),
-                "stream_linear: bias must be a contiguous float32 vector of the outputs' size");
-    B = bias->data_ptr<float>();
+    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == x.scalar_type() && bias->is_contiguous(),
+                "stream_linear: bias must be a contiguous vector of the outputs' size, in x's dtype");
+    if (model_halves) b_wide = widened(*bias);
+    B = model_halves ? b_wide.data() : bias->data_ptr<float>();
   }
-  float* Y = out.data_ptr<float>();
-  if (halves)
-    draft ? products<true>(weight.data_ptr<at::BFloat16>(), X, M, K, N, B, Y)
-          : products<false>(weight.data_ptr<at::BFloat16>(), X, M, K, N, B, Y);
+  if (model_halves)
+    products(draft, weight.data_ptr<at::BFloat16>(), X, M, K, N, B, out.data_ptr<at::BFloat16>());
+  else if (halves)
+    products(draft, weight.data_ptr<at::BFloat16>(), X, M, K, N, B, out.data_ptr<float>());
   else
-    draft ? products<true>(weight.data_ptr<float>(), X, M, K, N, B, Y)
-          : products<false>(weight.data_ptr<float>(), X, M, K, N, B, Y);
+    products(draft, weight.data_ptr<float>(), X, M, K, N, B, out.data_ptr<float>());
   auto shape = x.sizes().vec();
   shape.back() = N;
   return out.reshape(shape);
 }
-
