@@ -45,8 +45,8 @@ inline __m256 silu8(__m256 g) {
   return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
-// x W^T + b by the stream kernel, for float32 or bfloat16 W (and bfloat16 x over bfloat16 W; stream_linear.cpp). draft: a draft's product, whose
-// sums may round in another order (faster where the caches hold W)
+// x W^T + b by the stream kernel, for float32 or bfloat16 W (and bfloat16 x over bfloat16 W; stream_linear.cpp).
+// draft: a draft's product, whose sums may round in another order (faster where the caches hold W)
 torch::Tensor stream_linear(const torch::Tensor& x, const torch::Tensor& weight,
                             const c10::optional<torch::Tensor>& bias, bool draft);
 torch::Tensor rms_norm(torch::Tensor& hidden, const torch::Tensor& weight, double eps,
