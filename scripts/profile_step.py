@@ -1,6 +1,7 @@
 """Where a decoding step's time goes, on the device at hand (the default model unless --base/--heads).
 
-    python scripts/profile_step.py [--tree default] [--steps 40] [--base MODEL --heads DIR] [--compile]
+    python scripts/profile_step.py [--tree default] [--steps 40] [--base MODEL --heads DIR] [--dtype bfloat16]
+                                   [--compile]
 
 Wraps the parts of a decoding step with wall-clock timers (exact on a CPU; on a GPU each part is
 synchronised first): the heads' proposals, the base model's verification forward, its logits
@@ -78,9 +79,11 @@ def main() -> None:
     parser.add_argument("--heads")
     parser.add_argument("--tree", default="auto", help="a preset, a tree file, or auto (the one chosen here)")
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--compile", action="store_true", help="the passes through the compiled decoder")
     args = parser.parse_args()
-    model = MedusaModel.from_pretrained(args.base, heads=args.heads, projection="shared")
+    model = MedusaModel.from_pretrained(args.base, heads=args.heads, projection="shared",
+                                        dtype=getattr(torch, args.dtype))
     if args.compile:
         model.compile_decoding()
     for owner, name, label in PARTS:
