@@ -66,8 +66,9 @@ class Plan:
         hidden = self.body.embed_tokens(ids)
         dtype = hidden.dtype
         route = speed.step_route(ids.numel(), dtype, self.elements) if self.routed else "aten"
-        if self.native:  # in float32, a bfloat16 model's pass too
+        if self.native:  # in float32, a bfloat16 model's pass too (its additive masks as well)
             hidden = hidden.float()
+            mask = {kind: m.float() for kind, m in mask.items()} if isinstance(mask, dict) else mask.float()
         cos, sin = self.body.rotary_emb(hidden, position_ids=positions)
         masks = [mask[kind] for kind in self.layer_types] if isinstance(mask, dict) else [mask] * len(self.layers)
         if self.native:
@@ -180,7 +181,6 @@ class Native:
         if params is None:
             pack = speed.packed if route == "packed" else None
             params = self.params[route] = [pack(t) if pack and weight else t for t, weight in self.entries]
-        masks = [None if m is None else m.float() for m in masks]  # a bfloat16 model's: additive, in float32
         return self.kernels.decoder_layers(
             hidden, params, self.qkv_fused, self.qkv_sizes, self.gate_up_fused, self.gate_up_sizes, self.final_norm,
             self.eps, self.ROUTES[route], cos, sin, *cache.for_kernels(hidden, self.kv_heads, self.head_dim), masks,

@@ -234,9 +234,10 @@ def native_draft(hidden: torch.Tensor) -> bool:
 
 
 def native_accept(logits: torch.Tensor) -> bool:
-    """Whether greedy acceptance of these logits runs as one C++ call (`csrc/greedy_accept.cpp`): float32 within a
-    decoding step on a CPU, where the kernels are built."""
-    return NATIVE_ACCEPT and logits.device.type == "cpu" and logits.dtype == torch.float32 and _kernels_in_step()
+    """Whether greedy acceptance of these logits runs as one C++ call (`csrc/greedy_accept.cpp`): float32 or
+    bfloat16 within a decoding step on a CPU, where the kernels are built."""
+    return (NATIVE_ACCEPT and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16)
+            and _kernels_in_step())
 
 
 def native_commit(keys: torch.Tensor) -> bool:

@@ -181,11 +181,12 @@ def test_greedy_with_a_native_eagle_draft_equals_transformers(arch, monkeypatch)
 
 @pytest.mark.parametrize("paths", [[], [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [1, 0, 0]]])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_native_greedy_acceptance_equals_the_tensor_functions(paths, batch, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_greedy_acceptance_equals_the_tensor_functions(paths, batch, dtype, monkeypatch):
     tree, vocab = Tree(paths), 37
     generator = torch.Generator().manual_seed(0)
     for trial in range(100):
-        logits = torch.randn(batch, tree.size, vocab, generator=generator).round()  # many equal largest logits
+        logits = torch.randn(batch, tree.size, vocab, generator=generator).round().to(dtype)  # many equal largest
         if trial % 5 == 0:
             logits[batch - 1, trial % tree.size, trial % vocab] = float("nan")  # the largest, as torch has it
         agreeing = logits.argmax(-1).gather(1, tree.parents.expand(batch, -1))  # every path accepted whole

@@ -1,4 +1,4 @@
-// Greedy verification of a tree in one call (float32 logits on the CPU): the base model's argmax at every node, the
+// Greedy verification of a tree in one call (float32 or bfloat16 logits on the CPU): the base model's argmax at every node, the
 // longest root-to-leaf path whose every token is its parent's argmax, and the bonus token, the argmax at the path's
 // last node. The results of medusa_heads.acceptance.accept for greedy acceptance, whose dozen torch operations cost
 // ~0.1 ms each after a step's products have emptied the caches.
@@ -53,14 +53,15 @@ int64_t argmax(const float* v, int64_t V) {
 // (B,) and the bonus token (B,); of equally long paths, the first.
 std::vector<torch::Tensor> medusa_heads::greedy_accept(const torch::Tensor& tokens, const torch::Tensor& logits,
                                                        const torch::Tensor& parents, const torch::Tensor& retrieve) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == torch::kFloat32 && logits.dim() == 3,
-              "greedy_accept: float32 logits (B, n, V) on the CPU expected");
+  const bool halves = logits.scalar_type() == torch::kBFloat16;  // a bfloat16 model's: widened exactly, same argmax
+  TORCH_CHECK(logits.device().is_cpu() && (halves || logits.scalar_type() == torch::kFloat32) && logits.dim() == 3,
+              "greedy_accept: float32 or bfloat16 logits (B, n, V) on the CPU expected");
   const int64_t B = logits.size(0), n = logits.size(1), V = logits.size(2);
   TORCH_CHECK(tokens.scalar_type() == torch::kLong && tokens.dim() == 2 && tokens.size(0) == B && tokens.size(1) == n,
               "greedy_accept: int64 tokens (B, n) expected");
   TORCH_CHECK(parents.scalar_type() == torch::kLong && retrieve.scalar_type() == torch::kLong && retrieve.dim() >= 2,
               "greedy_accept: int64 parents and retrieve expected");
-  const auto rows = logits.contiguous();
+  const auto rows = halves ? logits.to(torch::kFloat32).contiguous() : logits.contiguous();
   const auto parents_of = parents.expand({B, n});
   const auto parent = parents_of.accessor<int64_t, 2>();
   const auto paths_of = retrieve.expand({B, retrieve.size(-2), retrieve.size(-1)});
