@@ -1,15 +1,15 @@
 """The base's decoder as a few functions per layer rather than transformers' modules, for the Llama family
 (Llama, Mistral, Qwen2, Qwen3: RMS norms, rotary embeddings, a gated SiLU MLP) on a CPU.
 
-A decoding pass of a small model spends about as long in its layers' small operations (norms, rotary
-embeddings, cache writes, the activation: 5-20 torch operations each, and the modules' Python around them) as
-in its matrix products. Where the C++ kernels are built (float32; `medusa_heads.kernels`), a pass is one call
-that runs every layer with those operations fused; else the layers run here with transformers' own operations,
-in the same order. The products take the kernel routes of `medusa_heads.speed`; the attention is torch's sdpa,
-or in the C++ call for passes of up to 64 tokens its own (`csrc/attention.cpp`).
-On a 2-core AMD EPYC, SmolLM2-135M's plain step took 37.5 ms instead of 48.4 (fused operations called from
-Python), a 15-token tree step 46.7 instead of 60.1. Hidden states equal transformers' up to the fused
-operations' rounding. Set MEDUSA_HEADS_LEAN_DECODER=0 to run transformers' modules.
+A decoding pass of a small model spends about as long in its layers' small operations (norms, rotary embeddings,
+cache writes, the activation: 5-20 torch operations each, and the modules' Python around them) as in its matrix
+products. Where the C++ kernels are built (`medusa_heads.kernels`), a pass (float32 or bfloat16) is one call that
+runs every layer with those operations fused; else the layers run here with transformers' own operations, in the
+same order. The products take the kernel routes of `medusa_heads.speed`; the attention is torch's sdpa, or in the
+C++ call for passes of up to 64 tokens its own (`csrc/attention.cpp`). On a 2-core AMD EPYC, SmolLM2-135M's plain
+step took 37.5 ms instead of 48.4 (fused operations called from Python), a 15-token tree step 46.7 instead of
+60.1. A float32 model's hidden states equal transformers' up to the fused operations' rounding (a bfloat16 model's
+C++ pass runs in float32: see `Native`). Set MEDUSA_HEADS_LEAN_DECODER=0 to run transformers' modules.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ class Plan:
     """A model's decoder as the lean functions read it: per layer its norms, its attention and the weights of its
     products, the fused ones (`speed.Siblings`: q/k/v, gate/up) as one. Its products call the kernel route of
     the step directly (through the modules they cost ~7 ms a step more on SmolLM2-135M). Where the kernels are
-    built (float32), the whole pass is one C++ call (`csrc/decoder_layers.cpp`; the loop over layers in Python
-    costs ~1.5 ms a step more on SmolLM2-135M); else the layers run here, with transformers' own operations.
+    built, the whole pass (float32 or bfloat16) is one C++ call (`csrc/decoder_layers.cpp`; the loop over layers in
+    Python costs ~1.5 ms a step more on SmolLM2-135M); else the layers run here, with transformers' own operations.
     Made per `Decoder`: a change to the weights after it is not seen."""
 
     def __init__(self, body: nn.Module):
