@@ -132,7 +132,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Native:
-    """A plan's pass as one call of the C++ kernels' `decoder_layers` (float32 on a CPU, where they are built):
+    """A plan's pass as one call of the C++ kernels' `decoder_layers` (on a CPU, where they are built):
     the same operations in the same order, the small ones fused (`csrc/decoder_ops.cpp`). A bfloat16 model's pass
     runs in float32 too (its residual stream, norms, rotary embeddings, attention and cache), over its products'
     bfloat16 weights: on a 2-core Zen 4 its small operations through torch took 12 of a 21 ms plain step."""

@@ -19,7 +19,7 @@ c10::optional<torch::Tensor> bias_of(const torch::Tensor& bias) {
 torch::Tensor product(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, int64_t route) {
   if (route == kStream || route == kDraft)  // a draft's sums may round in another order
     return medusa_heads::stream_linear(x, weight, bias_of(bias), route == kDraft);
-  if (weight.scalar_type() != x.scalar_type()) {  // a bfloat16 model's pass (in float32): the other routes' rows in bfloat16
+  if (weight.scalar_type() != x.scalar_type()) {  // a bfloat16 model's pass (in float32): other routes take bfloat16
     const auto dtype = weight.scalar_type();
     return product(x.to(dtype), weight, bias.to(dtype), route).to(x.scalar_type());
   }

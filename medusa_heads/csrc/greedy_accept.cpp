@@ -1,7 +1,7 @@
-// Greedy verification of a tree in one call (float32 or bfloat16 logits on the CPU): the base model's argmax at every node, the
-// longest root-to-leaf path whose every token is its parent's argmax, and the bonus token, the argmax at the path's
-// last node. The results of medusa_heads.acceptance.accept for greedy acceptance, whose dozen torch operations cost
-// ~0.1 ms each after a step's products have emptied the caches.
+// Greedy verification of a tree in one call (float32 or bfloat16 logits on the CPU): the base model's argmax at
+// every node, the longest root-to-leaf path whose every token is its parent's argmax, and the bonus token, the
+// argmax at the path's last node. The results of medusa_heads.acceptance.accept for greedy acceptance, whose dozen
+// torch operations cost ~0.1 ms each after a step's products have emptied the caches.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
