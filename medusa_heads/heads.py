@@ -135,7 +135,8 @@ class MedusaHeads(DraftVocabulary):
     def draft(self, hidden: torch.Tensor, root: torch.Tensor, levels: list[Level], topk: int) -> torch.Tensor:
         """Candidate tokens of a tree's head nodes, (B, nodes - 1), for rows whose last accepted
         hidden state is hidden (B, H) and whose next token (the tree's root) is root (B,)."""
-        if self.config.chained and speed.native_draft(hidden) and self._dtype == self.base_lm_head.weight.dtype:
+        if (self.config.chained and speed.native_draft(hidden, (torch.float32, torch.bfloat16))
+                and self._dtype == self.base_lm_head.weight.dtype):
             return self._native_draft(hidden, root, levels, topk)
         tokens = root.new_empty(root.shape[0], 1 + sum(len(level.children) for level in levels))
         tokens[:, 0] = root
@@ -153,7 +154,8 @@ class MedusaHeads(DraftVocabulary):
 
     def _native_draft(self, hidden: torch.Tensor, root: torch.Tensor, levels: list[Level], topk: int) -> torch.Tensor:
         """`draft` of chained heads as one C++ call (`csrc/draft_heads.cpp`): the same operations, the products by
-        the stream kernel, the draft vocabulary's projection over `speed.draft_weight`."""
+        the stream kernel, the draft vocabulary's projection over `speed.draft_weight`; bfloat16 heads in float32
+        over their bfloat16 weights."""
         params: list[torch.Tensor] = []
         for k in range(len(levels)):
             params.append(self.token_inputs[k].weight)
@@ -167,8 +169,9 @@ class MedusaHeads(DraftVocabulary):
             params += [weight, _NONE if bias is None else bias]
         parts = [t for level in levels for t in (level.sources, level.parents, level.children, level.source_of_child,
                                                  level.ranks)]
-        return kernels.load().chained_draft(hidden, root, self.base_lm_head.weight, torch.finfo(hidden.dtype).eps,
-                                            params, self.config.num_layers, parts, topk, self.token_map)
+        eps = torch.finfo(torch.float32).eps  # rms_norm's for float32 and bfloat16 rows alike (it sums in float32)
+        return kernels.load().chained_draft(hidden.float(), root, self.base_lm_head.weight, eps, params,
+                                            self.config.num_layers, parts, topk, self.token_map)
 
     def _token_features(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """The RMS-normalised lm_head rows of these tokens, for next_token heads (else None)."""

@@ -226,11 +226,11 @@ def draft_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return linear(x, weight, bias)
 
 
-def native_draft(hidden: torch.Tensor) -> bool:
-    """Whether a draft of hidden states runs as one C++ call (chained Medusa heads: `csrc/draft_heads.cpp`; an
-    EAGLE-style draft's layer: `csrc/decoder_layers.cpp`): float32 within a decoding step on a CPU, where the
-    kernels are built."""
-    return NATIVE_DRAFT and hidden.device.type == "cpu" and hidden.dtype == torch.float32 and _kernels_in_step()
+def native_draft(hidden: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
+    """Whether a draft of hidden states in one of these dtypes runs as one C++ call (chained Medusa heads:
+    `csrc/draft_heads.cpp`, float32 or bfloat16; an EAGLE-style draft's layer: `csrc/decoder_layers.cpp`, float32):
+    within a decoding step on a CPU, where the kernels are built."""
+    return NATIVE_DRAFT and hidden.device.type == "cpu" and hidden.dtype in dtypes and _kernels_in_step()
 
 
 def native_accept(logits: torch.Tensor) -> bool:

@@ -2,6 +2,7 @@
 the stream route's products equal F.linear's, the lean decoder's fused operations equal transformers' own, and
 greedy decoding with every product on the stream route and the fused operations equals transformers'."""
 
+import copy
 import platform
 import shutil
 
@@ -93,12 +94,15 @@ def chained_heads(arch: str, **kwargs) -> MedusaModel:
                                                        next_token=True, chained=True, **kwargs))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("projection", [dict(projection="shared", draft_vocab=12), dict(projection="shared"),
                                         dict(projection="own")])
-def test_a_native_draft_proposes_what_the_heads_modules_propose(projection, monkeypatch):
-    heads = chained_heads("llama", **projection).heads
+def test_a_native_draft_proposes_what_the_heads_modules_propose(projection, dtype, monkeypatch):
+    """bfloat16 heads draft in float32 over their weights: what their float32 copy's modules propose."""
+    model = chained_heads("llama", **projection).to(dtype)
+    heads, reference = model.heads, copy.deepcopy(model).float().heads  # the same values in float32
     tree = Tree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
-    hidden = torch.randn(2, heads.config.hidden_size, generator=torch.Generator().manual_seed(0)) * 3
+    hidden = (torch.randn(2, heads.config.hidden_size, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
     root = torch.tensor([5, 9])
     calls = []
     real = heads._native_draft
@@ -106,7 +110,7 @@ def test_a_native_draft_proposes_what_the_heads_modules_propose(projection, monk
     with torch.inference_mode(), speed.decoding_step():
         native = heads.draft(hidden, root, tree.levels(), tree.topk)
         monkeypatch.setattr(speed, "NATIVE_DRAFT", False)
-        modules = heads.draft(hidden, root, tree.levels(), tree.topk)
+        modules = reference.draft(hidden.float(), root, tree.levels(), tree.topk)
     assert calls == [1] and torch.equal(native, modules)
 
 
@@ -296,20 +300,23 @@ def test_greedy_with_every_product_on_one_route_and_fused_operations_equals_tran
 def test_a_bfloat16_models_pass_is_one_call_in_float32_and_decodes_as_its_plain_steps_do(arch, monkeypatch):
     """A bfloat16 model's pass is one C++ call too, in float32 over its bfloat16 weights; the probe times the stream
     route for bfloat16; on it every row of a tree pass rounds as in a plain step, so greedy Medusa in bfloat16 equals
-    plain decoding through the same loop."""
-    model = randomize_heads(MedusaModel.from_pretrained(tiny_model(arch, dtype=torch.bfloat16), num_heads=3))
+    plain decoding through the same loop; the chained heads draft in one C++ call too."""
+    model = randomize_heads(MedusaModel.from_pretrained(tiny_model(arch, dtype=torch.bfloat16), num_heads=3,
+                                                        next_token=True, chained=True, projection="shared",
+                                                        draft_vocab=12))
     speed.install(model)
     assert "stream" in speed.probe_routes(model, widths=(1, 4), rounds=1).times["torch.bfloat16"]
-    passes = []
-    real = lean.Native.forward
+    passes, drafts = [], []
+    real, real_draft = lean.Native.forward, model.heads._native_draft
     monkeypatch.setattr(lean.Native, "forward", lambda self, hidden, *args: passes.append(hidden.dtype) or real(
         self, hidden, *args))
+    monkeypatch.setattr(model.heads, "_native_draft", lambda *a: drafts.append(1) or real_draft(*a))
     monkeypatch.setattr(speed.Routes, "route", lambda self, rows, dtype, elements: "stream")
     ids = torch.tensor([[5, 9, 3, 7, 5, 9, 3, 7]])
     plain, medusa = (model.generate(ids, max_new_tokens=24, tree=tree, eos_token_id=[])
                      for tree in ("plain", "default"))
     assert medusa.new_tokens == plain.new_tokens and medusa.mean_accepted_length > 1
-    assert passes and set(passes) == {torch.float32}
+    assert passes and set(passes) == {torch.float32} and drafts
 
 
 def test_the_probe_times_the_route_and_leaves_it_out_where_it_cannot_be_built(monkeypatch):

@@ -1,7 +1,8 @@
-// Chained Medusa heads drafting a tree in one call (float32 on the CPU): per depth, head d's token input, its
-// residual blocks, its vocabulary projection and the top-k of each source node, with no Python between them (in
-// torch operations a depth costs ~1.9 ms on a 2-core Zen 3 for ~0.5 ms of memory to read). The same operations as
-// medusa_heads.heads.MedusaHeads.draft, in the same order; the products by the stream kernel.
+// Chained Medusa heads drafting a tree in one call (on the CPU, in float32 over float32 or bfloat16 weights): per
+// depth, head d's token input, its residual blocks, its vocabulary projection and the top-k of each source node, with
+// no Python between them (in torch operations a depth costs ~1.9 ms on a 2-core Zen 3 for ~0.5 ms of memory to
+// read). The same operations as medusa_heads.heads.MedusaHeads.draft, in the same order; the products by the stream
+// kernel.
 #include <immintrin.h>
 
 #include <limits>
@@ -20,9 +21,10 @@ void check_matrix(const torch::Tensor& w, int64_t K, const char* name) {
               " must be a contiguous matrix of ", K, " columns on the CPU");
 }
 
-// X W^T + b by the stream kernel in a draft's order of sums (b empty: no bias)
+// X W^T + b by the stream kernel in a draft's order of sums (b empty: no bias; a bfloat16 b widened)
 torch::Tensor product(const torch::Tensor& X, const torch::Tensor& W, const torch::Tensor& b) {
-  return medusa_heads::stream_linear(X, W, b.numel() ? c10::optional<torch::Tensor>(b) : c10::nullopt, true);
+  const auto bias = b.numel() ? c10::optional<torch::Tensor>(b.to(torch::kFloat32)) : c10::nullopt;
+  return medusa_heads::stream_linear(X, W, bias, true);
 }
 
 // x += silu(y), elementwise over n floats (e^x by exp8, as silu_mul)
@@ -53,9 +55,10 @@ void top_k(const float* v, int64_t V, int64_t k, int64_t* out) {
 
 }  // namespace
 
-// hidden (B, H): each row's last accepted hidden state; root (B,): its next token, the tree's root. embeddings: the
-// lm_head rows the heads' token inputs read (RMS-normalised with eps). params, per head: its token input's weight,
-// `layers` residual blocks' (weight, bias), its projection's weight (float32 or bfloat16) and bias (empty: none).
+// hidden (B, H), float32: each row's last accepted hidden state; root (B,): its next token, the tree's root.
+// embeddings: the lm_head rows the heads' token inputs read (RMS-normalised with eps). params, per head: its token
+// input's weight, `layers` residual blocks' (weight, bias), its projection's weight and bias (empty: none). Weights
+// and embeddings float32 or bfloat16 (a bfloat16 model's heads: their sums and states in float32 all the same).
 // levels, per depth d: sources, parents, children, source_of_child, ranks (medusa_heads.tree.Level). token_map: the
 // token ids of a draft vocabulary's logits (absent: the logits are token ids). Returns the candidate tokens of the
 // tree's head nodes, (B, nodes - 1).
@@ -69,7 +72,9 @@ torch::Tensor medusa_heads::chained_draft(const torch::Tensor& hidden, const tor
   const int64_t B = hidden.size(0), H = hidden.size(1), per_head = 2 * layers + 3, depths = levels.size() / 5;
   TORCH_CHECK(root.device().is_cpu() && root.scalar_type() == torch::kLong, "chained_draft: root must be int64");
   check_matrix(embeddings, H, "chained_draft: embeddings");
-  TORCH_CHECK(embeddings.scalar_type() == torch::kFloat32, "chained_draft: embeddings must be float32");
+  const bool halves = embeddings.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(halves || embeddings.scalar_type() == torch::kFloat32,
+              "chained_draft: embeddings must be float32 or bfloat16");
   TORCH_CHECK(root.numel() == B && levels.size() % 5 == 0 && int64_t(params.size()) >= depths * per_head,
               "chained_draft: root, levels or params do not match");
   for (const auto& t : levels) check_long(t, "chained_draft: each level tensor");
@@ -80,7 +85,7 @@ torch::Tensor medusa_heads::chained_draft(const torch::Tensor& hidden, const tor
   int64_t* tok = tokens.data_ptr<int64_t>();
   const auto roots = root.contiguous();
   for (int64_t b = 0; b < B; ++b) tok[b * nodes] = roots.data_ptr<int64_t>()[b];
-  const float* emb = embeddings.data_ptr<float>();
+  std::vector<float> row(H);  // a bfloat16 embedding's row, widened
   torch::Tensor state = hidden.contiguous();  // (B * m, H): the previous depth's source states
   int64_t previous = 1;                       // m: sources per row at the previous depth
   for (int64_t d = 0; d < depths; ++d) {
@@ -100,7 +105,9 @@ torch::Tensor medusa_heads::chained_draft(const torch::Tensor& hidden, const tor
         TORCH_CHECK(token >= 0 && token < embeddings.size(0), "chained_draft: token out of range");
         const float* parent = state.data_ptr<float>() + (b * previous + parents[j]) * H;
         std::copy_n(parent, H, x.data_ptr<float>() + (b * m + j) * H);
-        norm_row(emb + token * H, nullptr, H, float(eps), features.data_ptr<float>() + (b * m + j) * H);
+        const float* embedding = halves ? row.data() : embeddings.data_ptr<float>() + token * H;
+        if (halves) std::copy_n(embeddings.data_ptr<at::BFloat16>() + token * H, H, row.data());
+        norm_row(embedding, nullptr, H, float(eps), features.data_ptr<float>() + (b * m + j) * H);
       }
     const torch::Tensor* p = params.data() + d * per_head;
     x += product(features, p[0], torch::Tensor());
