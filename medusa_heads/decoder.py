@@ -127,7 +127,8 @@ class Decoder:
         self.model, self.tree, self.device, self.adapt = model, tree, model.device, adapt
         model.install_speed_levers()
         tuned = tuning(model)
-        self.routes = tuned.routes if tuned else None  # the kernel route of each product, as probed here
+        self.routes = tuned.routes if tuned else None  # the kernel route of each product, as probed here: prefills'
+        self.step_routes = self.routes.for_steps() if tuned else None  # and decoding steps' (rows round alike)
         # the decoder's passes as `medusa_heads.lean`'s functions, where they run this model
         self.lean = lean.Plan(adapter.decoder(model.base_model)) if lean.supports(model.base_model) else None
         self.drafting = eagle.Drafting(model.heads, tree) if isinstance(tree, DynamicTree) else None
@@ -208,7 +209,7 @@ class Decoder:
         """Prefill the rows that joined, or else advance every active row by one verification pass; what
         each row emitted."""
         self._updates = []
-        with speed.decoding_step(self.routes):
+        with speed.decoding_step(self.routes if self.pending else self.step_routes):
             if self.pending:
                 self._prefill()
             else:

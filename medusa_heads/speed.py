@@ -75,7 +75,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -134,6 +134,14 @@ class Routes:
         self.lost[key] = self.lost.get(key, 0.0) + (times[other][width] - times["packed"][width]) * (
             elements / self.packing[key][1])
         return name if self.lost[key] >= self.packing[key][0] else other
+
+    def for_steps(self) -> Routes:
+        """These routes for the passes of decoding steps: where one row takes the stream route (each row's sums in
+        one order, whatever the other rows), every row count takes it, so that a tree pass's rows round as a plain
+        step's row does and greedy output does not depend on the tree (nor on the rows beside it in a batch)."""
+        choice = {key: ("stream",) * len(names) if names[0] == "stream" else names
+                  for key, names in self.choice.items()}
+        return replace(self, choice=choice, lost={})
 
     def to_json(self) -> dict:
         return {"widths": list(self.widths), "choice": {k: list(v) for k, v in self.choice.items()},

@@ -13,7 +13,7 @@ from test_lean import FAMILIES, lean_forward, passes, transformers_forward
 from tiny import tiny_model
 from torch.nn import functional as F
 
-from medusa_heads import MedusaModel, adapter, kernels, lean, speed
+from medusa_heads import MedusaModel, adapter, kernels, lean, speed, tuning
 from medusa_heads import decoder as decoder_module
 from medusa_heads.acceptance import Sampling, accept
 from medusa_heads.cache import TreeCache
@@ -306,17 +306,21 @@ def test_a_bfloat16_models_pass_is_one_call_in_float32_and_decodes_as_its_plain_
                                                         draft_vocab=12))
     speed.install(model)
     assert "stream" in speed.probe_routes(model, widths=(1, 4), rounds=1).times["torch.bfloat16"]
+    routes = speed.Routes((1, 4), {"torch.bfloat16": ("stream", "packed")})  # packed from 2 rows: not in steps
+    model.tuning = tuning.Tuning(tuning.machine(model), routes, None, None, None, 0.0)
+    monkeypatch.setenv("MEDUSA_HEADS_TUNE", "1")  # (the decoders take model.tuning: nothing is probed)
     passes, drafts = [], []
     real, real_draft = lean.Native.forward, model.heads._native_draft
-    monkeypatch.setattr(lean.Native, "forward", lambda self, hidden, *args: passes.append(hidden.dtype) or real(
-        self, hidden, *args))
+    monkeypatch.setattr(lean.Native, "forward", lambda self, hidden, cos, sin, route, *args: passes.append(
+        (hidden.dtype, hidden.shape[1], route)) or real(self, hidden, cos, sin, route, *args))
     monkeypatch.setattr(model.heads, "_native_draft", lambda *a: drafts.append(1) or real_draft(*a))
-    monkeypatch.setattr(speed.Routes, "route", lambda self, rows, dtype, elements: "stream")
     ids = torch.tensor([[5, 9, 3, 7, 5, 9, 3, 7]])
     plain, medusa = (model.generate(ids, max_new_tokens=24, tree=tree, eos_token_id=[])
                      for tree in ("plain", "default"))
     assert medusa.new_tokens == plain.new_tokens and medusa.mean_accepted_length > 1
-    assert passes and set(passes) == {torch.float32} and drafts
+    assert {dtype for dtype, _, _ in passes} == {torch.float32} and drafts
+    assert {route for _, rows, route in passes if rows == ids.shape[1]} == {"packed"}  # the prefills
+    assert {route for _, rows, route in passes if rows < ids.shape[1]} == {"stream"}  # the steps, of 1 to 8 rows
 
 
 def test_the_probe_times_the_route_and_leaves_it_out_where_it_cannot_be_built(monkeypatch):

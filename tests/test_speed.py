@@ -72,6 +72,18 @@ def test_fused_siblings_compute_their_own_products_and_follow_updates():
         torch.testing.assert_close(block.k(y), F.linear(y, block.k.weight, block.k.bias))
 
 
+def test_decoding_steps_keep_the_one_row_route_where_it_is_the_stream_route():
+    """A step's rows round alike only on the stream route: where one row takes it, a step of any rows does;
+    elsewhere (and in prefills) the probed choice per width stands."""
+    routes = speed.Routes((1, 4, 16), {"torch.float32": ("stream", "stream", "packed"),
+                                       "torch.bfloat16": ("packed", "stream", "aten")})
+    steps = routes.for_steps()
+    assert [steps.route(rows, torch.float32, 0) for rows in (1, 9, 40)] == ["stream"] * 3
+    assert [routes.route(rows, torch.float32, 0) for rows in (1, 9, 40)] == ["stream", "packed", "packed"]
+    assert [steps.route(rows, torch.bfloat16, 0) for rows in (1, 3, 9)] == ["packed", "stream", "aten"]
+    assert steps.route(9, torch.float16, 0) == routes.route(9, torch.float16, 0)  # not probed: the default
+
+
 @pytest.mark.skipif(not speed.ENABLED, reason="packed weights switched off or oneDNN missing")
 def test_no_packed_route_when_the_copies_do_not_fit(monkeypatch):
     layer = nn.Linear(32, 16)
