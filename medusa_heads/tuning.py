@@ -44,8 +44,9 @@ ROUTE_ROUNDS = 3  # kernel-route timing rounds in the probe
 ROUNDS, STEPS = 3, 6  # cost-curve rounds and timed steps per tree in the probe
 SIZES = (0, 1, 2, 4, 6, 8, 12, 16, 24, 32, 64)  # head nodes of the trees the probe measures (fewer than calibrate's)
 PROBE_PROMPT = 48  # tokens of the (seeded random) prompt the probe decodes from
-PROBE_VERSION = 5  # raised when what a decoding step computes changes (2: fused siblings, grouped attention; 3: the
-# stream kernel route; 4: the time to pack, for the rental of packed copies; 5: c paired with plain steps, the pick)
+PROBE_VERSION = 6  # raised when what a decoding step computes changes (2: fused siblings, grouped attention; 3: the
+# stream kernel route; 4: the time to pack, for the rental of packed copies; 5: c paired with plain steps, the pick;
+# 6: steps keep the one-row stream route at every width)
 
 
 @dataclass
