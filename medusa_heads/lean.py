@@ -138,7 +138,7 @@ class Native:
     bfloat16 weights: on a 2-core Zen 4 its small operations through torch took 12 of a 21 ms plain step."""
 
     # csrc/decoder_layers.cpp's numbers of the step routes, and of a draft's products (`eagle.DraftLayer`)
-    ROUTES: ClassVar[dict[str, int]] = {"aten": 0, "stream": 1, "packed": 2, "draft": 3}
+    ROUTES: ClassVar[dict[str, int]] = {"aten": 0, "stream": 1, "packed": 2, "draft": 3, "columns": 4}
 
     @staticmethod
     def runs(plan: Plan) -> bool:
@@ -173,14 +173,15 @@ class Native:
                              (none if k_norm is None else k_norm.weight.float(), False)]
             self.entries += products(qkv) + products(o) + [(post_norm.weight.float(), False)]
             self.entries += products(gate_up) + products(down)
-        self.params: dict[str, list[torch.Tensor]] = {}  # per route: the tensors it takes (packed copies for "packed")
+        self.params: dict[str, list[torch.Tensor]] = {}  # per route: the tensors it takes (copies of the weights
+        # for "packed" and "columns")
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, route: str,
                 masks: list[torch.Tensor | None], cache: TreeCache) -> torch.Tensor:
         params = self.params.get(route)
         if params is None:
-            pack = speed.packed if route == "packed" else None
-            params = self.params[route] = [pack(t) if pack and weight else t for t, weight in self.entries]
+            copy = {"packed": speed.packed, "columns": speed.columns}.get(route)
+            params = self.params[route] = [copy(t) if copy and weight else t for t, weight in self.entries]
         return self.kernels.decoder_layers(
             hidden, params, self.qkv_fused, self.qkv_sizes, self.gate_up_fused, self.gate_up_sizes, self.final_norm,
             self.eps, self.ROUTES[route], cos, sin, *cache.for_kernels(hidden, self.kv_heads, self.head_dim), masks,

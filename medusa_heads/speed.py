@@ -97,7 +97,10 @@ ROUTED_DTYPES = (torch.float32, torch.bfloat16)
 PROBE_WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # rows per product that `probe_routes` times
 _packed = WeakIdKeyDictionary()  # weight -> (its version when packed, its packed copy)
 _halves = WeakIdKeyDictionary()  # weight -> (its version when copied, its bfloat16 copy)
+_columns = WeakIdKeyDictionary()  # weight -> (its version when laid out, its copy by columns)
 _PACKED_FOR_ROWS = 16  # the row count oneDNN picks the packed layout for
+ROW_EXACT = ("stream", "columns")  # the routes whose every output sums over k in one order whatever the other rows
+STEP_ROWS = 16  # the widths a decoding step's route is chosen for (a plain step's row to a wide tree's)
 
 
 @dataclass(frozen=True)
@@ -136,11 +139,16 @@ class Routes:
         return name if self.lost[key] >= self.packing[key][0] else other
 
     def for_steps(self) -> Routes:
-        """These routes for the passes of decoding steps: where one row takes the stream route (each row's sums in
-        one order, whatever the other rows), every row count takes it, so that a tree pass's rows round as a plain
-        step's row does and greedy output does not depend on the tree (nor on the rows beside it in a batch)."""
-        choice = {key: ("stream",) * len(names) if names[0] == "stream" else names
-                  for key, names in self.choice.items()}
+        """These routes for the passes of decoding steps: per dtype, one route whose rows round alone (`ROW_EXACT`)
+        at every row count, so that a tree pass's rows round as a plain step's row does and greedy output does not
+        depend on the tree (nor on the rows beside it in a batch): the one of least probed time summed over the
+        widths up to `STEP_ROWS` (or the one-row choice, where it is one and nothing was timed)."""
+        choice, steps = {}, [i for i, w in enumerate(self.widths) if w <= STEP_ROWS]
+        for key, names in self.choice.items():
+            times = {r: t for r, t in self.times.get(key, {}).items() if r in ROW_EXACT}
+            exact = min(times, key=lambda r: sum(times[r][i] for i in steps),
+                        default=names[0] if names[0] in ROW_EXACT else None)
+            choice[key] = names if exact is None else (exact,) * len(names)
         return replace(self, choice=choice, lost={})
 
     def to_json(self) -> dict:
@@ -185,7 +193,29 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed(weight), bias, "none", [], "")
 
 
-ROUTES: dict[str, Callable] = {"aten": F.linear, "packed": _packed_linear, "stream": stream_linear}
+def columns(weight: torch.Tensor) -> torch.Tensor:
+    """weight (N, K) laid out by columns for `csrc/columns_linear.cpp`, once per version of it: blocks of 16 outputs,
+    each k's 16 weights together (float32: (N / 16, K, 16); bfloat16: k in pairs, (N / 16, K / 2, 16, 2)); zeros
+    pad N to 16s and a bfloat16 K to 2s."""
+    def lay_out(w: torch.Tensor) -> torch.Tensor:
+        n, k = w.shape
+        pairs = 2 if w.dtype == torch.bfloat16 else 1
+        padded = F.pad(w, (0, -k % pairs, 0, -n % 16))
+        blocks = padded.view(padded.shape[0] // 16, 16, padded.shape[1] // pairs, pairs).transpose(1, 2)
+        return blocks.contiguous() if pairs == 2 else blocks.squeeze(-1).contiguous()
+
+    return _copy(_columns, weight, lay_out)
+
+
+def _columns_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    module = kernels.load()
+    if module is None:
+        raise RuntimeError("the columns kernel is not available on this machine")
+    return module.columns_linear(x, columns(weight), bias, weight.shape[0])
+
+
+ROUTES: dict[str, Callable] = {"aten": F.linear, "packed": _packed_linear, "stream": stream_linear,
+                               "columns": _columns_linear}
 
 
 def step_route(rows: int, dtype: torch.dtype, elements: int) -> str:
@@ -315,8 +345,8 @@ def cpu_linears(model: nn.Module) -> list[nn.Linear]:
 
 
 def install(model: nn.Module, sample: Callable[[], object] | None = None) -> None:
-    """Give the model's CPU linear layers the routed product, if their packed copies fit in half the free
-    memory, and sdpa attention the grouped route (idempotent; no-op when switched off). `sample` runs one
+    """Give the model's CPU linear layers the routed product, if their copies (packed, and by columns) fit in half
+    the free memory, and sdpa attention the grouped route (idempotent; no-op when switched off). `sample` runs one
     forward of the model: the layers it shows reading the same input one after another take one product."""
     if GROUPED_ATTENTION:
         AttentionInterface.register("sdpa", grouped_attention)
@@ -325,10 +355,10 @@ def install(model: nn.Module, sample: Callable[[], object] | None = None) -> Non
     layers = [layer for layer in cpu_linears(model) if type(layer) is nn.Linear]
     groups = _siblings(layers, sample) if sample and layers else []
     fused = [layer for group in groups for layer in group.layers]  # their concatenated weights: one more copy
-    needed = sum(layer.weight.nbytes for layer in layers + fused)
+    needed = 2 * sum(layer.weight.nbytes for layer in layers + fused)
     if needed > _free_memory() / 2:
-        warnings.warn(f"packed weights would take {needed / 2**30:.1f} GiB, more than half the free memory: "
-                      "decoding without them (slower on a CPU)", stacklevel=2)
+        warnings.warn(f"the weights' packed and by-columns copies would take {needed / 2**30:.1f} GiB, more than "
+                      "half the free memory: decoding without them (slower on a CPU)", stacklevel=2)
         return
     for layer in layers:
         layer.__class__ = RoutedLinear

@@ -46,7 +46,7 @@ SIZES = (0, 1, 2, 4, 6, 8, 12, 16, 24, 32, 64)  # head nodes of the trees the pr
 PROBE_PROMPT = 48  # tokens of the (seeded random) prompt the probe decodes from
 PROBE_VERSION = 6  # raised when what a decoding step computes changes (2: fused siblings, grouped attention; 3: the
 # stream kernel route; 4: the time to pack, for the rental of packed copies; 5: c paired with plain steps, the pick;
-# 6: steps keep the one-row stream route at every width)
+# 6: the columns route; steps take one route whose rows round alone at every width)
 
 
 @dataclass

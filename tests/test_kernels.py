@@ -265,6 +265,36 @@ def test_a_bfloat16_models_product_rounds_once_and_does_not_depend_on_the_other_
                 assert torch.equal(stream_linear(x[r - 1 : r], weight, bias), out[r - 1 : r])
 
 
+BF16_PAIRS = "avx512_bf16" in cpu_info()[1]  # the bfloat16 columns kernel's instructions
+
+
+def columns_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return kernels.load().columns_linear(x, speed.columns(weight), bias, weight.shape[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not BF16_PAIRS, reason="bfloat16 columns need AVX512-BF16"))])
+def test_products_by_columns_equal_linear_and_each_row_rounds_alone(dtype):
+    """The columns route: within rounding of the float64 product (a bfloat16 x's sums rounded once, a float32 x over
+    bfloat16 columns in float32), and every row of a pass of 1-13 rows exactly as in a pass of it alone."""
+    generator = torch.Generator().manual_seed(0)
+    for inputs, outputs in ((7, 5), (64, 41), (579, 130)):  # sizes off the 16-output blocks and 2-wide pairs
+        x = torch.randn(13, inputs, generator=generator)
+        weight, bias = torch.randn(outputs, inputs, generator=generator), torch.randn(outputs, generator=generator)
+        for x_dtype in {dtype, torch.float32}:
+            for b in (None, bias.to(x_dtype)):
+                whole = columns_linear(x.to(x_dtype), weight.to(dtype), b)
+                assert whole.dtype == x_dtype
+                xs = x.to(x_dtype).to(dtype).double()  # what the products read (a bfloat16 weight's x: rounded)
+                exact = F.linear(xs, weight.to(dtype).double(), None if b is None else b.double())
+                tolerance = 2**-8 if x_dtype == torch.bfloat16 else 1e-5
+                assert torch.allclose(whole.double(), exact, rtol=tolerance, atol=1e-4)
+                for rows in (1, 5, 6, 7, 13):
+                    alone = [columns_linear(x[m : m + 1].to(x_dtype), weight.to(dtype), b) for m in range(rows)]
+                    assert torch.equal(columns_linear(x[:rows].to(x_dtype), weight.to(dtype), b), torch.cat(alone))
+                    assert torch.equal(torch.cat(alone), whole[:rows])
+
+
 def test_refuses_what_it_does_not_compute():
     x, weight = torch.randn(2, 16), torch.randn(8, 16)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
@@ -277,7 +307,7 @@ def test_refuses_what_it_does_not_compute():
         stream_linear(x, torch.randn(8, 15), None)
 
 
-@pytest.mark.parametrize("route", ["stream", "packed"])
+@pytest.mark.parametrize("route", ["stream", "packed", "columns"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_with_every_product_on_one_route_and_fused_operations_equals_transformers(arch, route, monkeypatch):
     model = randomize_heads(MedusaModel.from_pretrained(tiny_model(arch, dtype=torch.float32), num_heads=3))
@@ -296,8 +326,10 @@ def test_greedy_with_every_product_on_one_route_and_fused_operations_equals_tran
     assert used  # the products did take the route
 
 
+@pytest.mark.parametrize("steps", ["stream", pytest.param("columns", marks=pytest.mark.skipif(
+    not BF16_PAIRS, reason="bfloat16 columns need AVX512-BF16"))])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_a_bfloat16_models_pass_is_one_call_in_float32_and_decodes_as_its_plain_steps_do(arch, monkeypatch):
+def test_a_bfloat16_models_pass_is_one_call_in_float32_and_decodes_as_its_plain_steps_do(arch, steps, monkeypatch):
     """A bfloat16 model's pass is one C++ call too, in float32 over its bfloat16 weights; the probe times the stream
     route for bfloat16; on it every row of a tree pass rounds as in a plain step, so greedy Medusa in bfloat16 equals
     plain decoding through the same loop; the chained heads draft in one C++ call too."""
@@ -306,7 +338,8 @@ def test_a_bfloat16_models_pass_is_one_call_in_float32_and_decodes_as_its_plain_
                                                         draft_vocab=12))
     speed.install(model)
     assert "stream" in speed.probe_routes(model, widths=(1, 4), rounds=1).times["torch.bfloat16"]
-    routes = speed.Routes((1, 4), {"torch.bfloat16": ("stream", "packed")})  # packed from 2 rows: not in steps
+    times = {"stream": (1.0, 4.0), "columns": (1.1, 2.0) if steps == "columns" else (1.1, 4.5), "packed": (3.0, 1.0)}
+    routes = speed.Routes((1, 4), {"torch.bfloat16": ("stream", "packed")}, {"torch.bfloat16": times})  # steps: one
     model.tuning = tuning.Tuning(tuning.machine(model), routes, None, None, None, 0.0)
     monkeypatch.setenv("MEDUSA_HEADS_TUNE", "1")  # (the decoders take model.tuning: nothing is probed)
     passes, drafts = [], []
@@ -320,7 +353,7 @@ def test_a_bfloat16_models_pass_is_one_call_in_float32_and_decodes_as_its_plain_
     assert medusa.new_tokens == plain.new_tokens and medusa.mean_accepted_length > 1
     assert {dtype for dtype, _, _ in passes} == {torch.float32} and drafts
     assert {route for _, rows, route in passes if rows == ids.shape[1]} == {"packed"}  # the prefills
-    assert {route for _, rows, route in passes if rows < ids.shape[1]} == {"stream"}  # the steps, of 1 to 8 rows
+    assert {route for _, rows, route in passes if rows < ids.shape[1]} == {steps}  # the steps, of 1 to 8 rows
 
 
 def test_the_probe_times_the_route_and_leaves_it_out_where_it_cannot_be_built(monkeypatch):

@@ -72,15 +72,21 @@ def test_fused_siblings_compute_their_own_products_and_follow_updates():
         torch.testing.assert_close(block.k(y), F.linear(y, block.k.weight, block.k.bias))
 
 
-def test_decoding_steps_keep_the_one_row_route_where_it_is_the_stream_route():
-    """A step's rows round alike only on the stream route: where one row takes it, a step of any rows does;
-    elsewhere (and in prefills) the probed choice per width stands."""
-    routes = speed.Routes((1, 4, 16), {"torch.float32": ("stream", "stream", "packed"),
-                                       "torch.bfloat16": ("packed", "stream", "aten")})
+def test_decoding_steps_take_one_route_whose_rows_round_alone():
+    """A step's rows round alike only on a route that sums each row alone (stream, columns): a step of any rows
+    takes the one of least time over the widths up to 16 rows (untimed: the one-row choice, where it is one);
+    elsewhere, and in prefills, the probed choice per width stands."""
+    widths = (1, 4, 16, 64)
+    timed = {"stream": (1.0, 2.0, 8.0, 9.0), "columns": (1.2, 1.5, 4.0, 99.0), "packed": (3.0, 2.0, 2.0, 2.0)}
+    routes = speed.Routes(widths, {"torch.float32": ("stream", "columns", "packed", "packed"),
+                                   "torch.bfloat16": ("stream", "stream", "packed", "packed")},
+                          {"torch.float32": timed})
     steps = routes.for_steps()
-    assert [steps.route(rows, torch.float32, 0) for rows in (1, 9, 40)] == ["stream"] * 3
-    assert [routes.route(rows, torch.float32, 0) for rows in (1, 9, 40)] == ["stream", "packed", "packed"]
-    assert [steps.route(rows, torch.bfloat16, 0) for rows in (1, 3, 9)] == ["packed", "stream", "aten"]
+    assert [steps.route(rows, torch.float32, 0) for rows in (1, 9, 40)] == ["columns"] * 3
+    assert [routes.route(rows, torch.float32, 0) for rows in (1, 3, 40)] == ["stream", "columns", "packed"]
+    assert [steps.route(rows, torch.bfloat16, 0) for rows in (1, 9, 40)] == ["stream"] * 3
+    untimed = speed.Routes(widths, {"torch.bfloat16": ("packed", "stream", "aten", "aten")}).for_steps()
+    assert [untimed.route(rows, torch.bfloat16, 0) for rows in (1, 3, 9)] == ["packed", "stream", "aten"]
     assert steps.route(9, torch.float16, 0) == routes.route(9, torch.float16, 0)  # not probed: the default
 
 

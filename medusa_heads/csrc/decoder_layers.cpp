@@ -8,7 +8,7 @@
 
 namespace {
 
-enum Route : int64_t { kAten = 0, kStream = 1, kPacked = 2, kDraft = 3 };  // medusa_heads.lean.Native.ROUTES
+enum Route : int64_t { kAten = 0, kStream = 1, kPacked = 2, kDraft = 3, kColumns = 4 };  // lean.Native.ROUTES
 constexpr int64_t kFewQueries = 64;  // passes of up to this many tokens attend by attention.cpp (2.7x faster than
                                      // sdpa at 4 tokens over 200 keys, 1.3x at 64 on a 2-core EPYC), others by sdpa
 
@@ -16,12 +16,15 @@ c10::optional<torch::Tensor> bias_of(const torch::Tensor& bias) {
   return bias.numel() ? c10::optional<torch::Tensor>(bias) : c10::nullopt;  // an empty tensor: no bias
 }
 
-torch::Tensor product(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, int64_t route) {
+// x W^T + b of N outputs; W: the weight, or its copy by columns (columns route) or packed (packed route)
+torch::Tensor product(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, int64_t route,
+                      int64_t N) {
   if (route == kStream || route == kDraft)  // a draft's sums may round in another order
     return medusa_heads::stream_linear(x, weight, bias_of(bias), route == kDraft);
+  if (route == kColumns) return medusa_heads::columns_linear(x, weight, bias_of(bias), N);
   if (weight.scalar_type() != x.scalar_type()) {  // a bfloat16 model's pass (in float32): other routes take bfloat16
     const auto dtype = weight.scalar_type();
-    return product(x.to(dtype), weight, bias.to(dtype), route).to(x.scalar_type());
+    return product(x.to(dtype), weight, bias.to(dtype), route, N).to(x.scalar_type());
   }
   if (route == kPacked) {  // oneDNN's linear over the weight's packed copy (what speed._packed_linear calls)
     static auto op = c10::Dispatcher::singleton()
@@ -39,9 +42,14 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& weight, const
 // params: (weight, bias) per product
 std::vector<torch::Tensor> products(const torch::Tensor& x, const torch::Tensor* params, bool fused,
                                     at::IntArrayRef sizes, int64_t route) {
-  if (fused) return product(x, params[0], params[1], route).split_with_sizes(sizes, -1);
+  if (fused) {
+    int64_t N = 0;
+    for (const int64_t size : sizes) N += size;
+    return product(x, params[0], params[1], route, N).split_with_sizes(sizes, -1);
+  }
   std::vector<torch::Tensor> out;
-  for (size_t p = 0; p < sizes.size(); ++p) out.push_back(product(x, params[2 * p], params[2 * p + 1], route));
+  for (size_t p = 0; p < sizes.size(); ++p)
+    out.push_back(product(x, params[2 * p], params[2 * p + 1], route, sizes[p]));
   return out;
 }
 
@@ -110,12 +118,12 @@ torch::Tensor medusa_heads::decoder_layers(torch::Tensor hidden, const std::vect
                      .transpose(1, 2)
                      .reshape({B, n, -1});
     }
-    auto out = product(attended, p[0], p[1], route);
+    auto out = product(attended, p[0], p[1], route, hidden.size(2));
     const torch::Tensor& post_norm = p[2];
     p += 3;
     auto gate_up = products(rms_norm(hidden, post_norm, eps, out), p, gate_up_fused, gate_up_sizes, route);
     p += gate_up_fused ? 2 : 4;
-    delta = product(silu_mul(gate_up[0], gate_up[1]), p[0], p[1], route);
+    delta = product(silu_mul(gate_up[0], gate_up[1]), p[0], p[1], route, hidden.size(2));
   }
   if (!final_norm.numel()) return hidden.add_(*delta);
   return rms_norm(hidden, final_norm, eps, delta);

@@ -49,6 +49,9 @@ inline __m256 silu8(__m256 g) {
 // draft: a draft's product, whose sums may round in another order (faster where the caches hold W)
 torch::Tensor stream_linear(const torch::Tensor& x, const torch::Tensor& weight,
                             const c10::optional<torch::Tensor>& bias, bool draft);
+// x W^T + b over W laid out by columns (speed.columns), each output's sum in one order whatever the rows
+torch::Tensor columns_linear(const torch::Tensor& x, const torch::Tensor& columns,
+                             const c10::optional<torch::Tensor>& bias, int64_t N);
 torch::Tensor rms_norm(torch::Tensor& hidden, const torch::Tensor& weight, double eps,
                        const c10::optional<torch::Tensor>& delta);
 torch::Tensor rotary_write(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
