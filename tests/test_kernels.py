@@ -446,3 +446,23 @@ def test_attention_of_a_few_queries_equals_sdpa(queries, head_dim):
                                                   enable_gqa=True)
         got = kernels.load().attend(query, keys, values, rows, visible, m, 0.3)
         assert torch.allclose(got, expected.transpose(1, 2).flatten(-2), rtol=1e-5, atol=1e-5)
+
+
+def test_a_rows_attention_does_not_depend_on_the_hidden_slots_between_its_keys():
+    """A tree row's keys are its prefix, its ancestors and itself, other branches' slots hidden between them; a
+    plain step's are the same keys side by side: the two rows' attention is the same, bit for bit."""
+    generator = torch.Generator().manual_seed(0)
+    heads, head_dim, prefix = 3, 64, 29
+    keys, values = torch.randn(2, 1, heads, 60, head_dim, generator=generator).unbind(0)
+    query = torch.randn(1, heads, 1, head_dim, generator=generator)
+    tree_slots = torch.tensor([prefix + 2, prefix + 5, prefix + 6, prefix + 11])  # ancestors and itself
+    seen = torch.cat([torch.arange(prefix), tree_slots])
+    plain_keys, plain_values = keys.clone(), values.clone()
+    plain_keys[0, :, : len(seen)], plain_values[0, :, : len(seen)] = keys[0, :, seen], values[0, :, seen]
+    visible = prefix + 12
+    mask = torch.full((1, 1, 1, visible), torch.finfo(torch.float32).min)
+    mask[..., seen] = 0.0
+    rows = torch.tensor([0])
+    tree = kernels.load().attend(query, keys, values, rows, visible, mask, 0.125)
+    plain = kernels.load().attend(query, plain_keys, plain_values, rows, len(seen), None, 0.125)
+    assert torch.equal(tree, plain)

@@ -17,50 +17,51 @@ constexpr int64_t kWorkPerThread = 1 << 17;  // multiply-adds a thread takes at 
 constexpr float kMasked = -1e30f;             // an additive mask at or below this hides its key
 constexpr int64_t kMaxChunks = 16;            // head sizes up to 128 (8 floats a chunk)
 
-// softmax(scale * q . k_j + mask_j) . v over the visible keys, for one query row; D a multiple of 8 up to 128 (C =
-// D / 8 when known at compile time: the sums stay in registers)
+// softmax(scale * q . k_j + mask_j) . v over the visible keys the mask does not hide, for one query row; D a multiple
+// of 8 up to 128 (C = D / 8 when known at compile time: the sums stay in registers). Every sum runs over those keys
+// alone, in slot order, so a row sums alike whatever hidden slots lie between them (a tree's other branches): as the
+// same token's row does in a plain step. seen, scores: room for `visible` entries.
 template <int C>
 void attend_row(const float* q, const float* keys, const float* values, int64_t visible, int64_t D,
-                const float* mask, int64_t mask_stride, float scale, float* scores, float* out) {
+                const float* mask, int64_t mask_stride, float scale, int64_t* seen, float* scores, float* out) {
   const int64_t chunks = C ? C : D / 8;
   float top = -std::numeric_limits<float>::infinity();
+  int64_t count = 0;
   for (int64_t j = 0; j < visible; ++j) {
     const float bias = mask ? mask[j * mask_stride] : 0.0f;
-    if (bias <= kMasked) {
-      scores[j] = -std::numeric_limits<float>::infinity();
-      continue;
-    }
+    if (bias <= kMasked) continue;
     const float* k = keys + j * D;
     __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
     for (int64_t c = 1; c < chunks; ++c) sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(k + 8 * c), sum);
-    scores[j] = medusa_heads::horizontal_sum(sum) * scale + bias;
-    top = std::max(top, scores[j]);
+    seen[count] = j;
+    scores[count] = medusa_heads::horizontal_sum(sum) * scale + bias;
+    top = std::max(top, scores[count++]);
   }
-  if (top == -std::numeric_limits<float>::infinity()) {  // every key hidden: zeros
+  if (count == 0) {  // every key hidden: zeros
     for (int64_t d = 0; d < D; ++d) out[d] = 0.0f;
     return;
   }
-  for (int64_t j = 0; j < visible; ++j) scores[j] = scores[j] - top;
+  for (int64_t j = 0; j < count; ++j) scores[j] = scores[j] - top;
   int64_t j = 0;
   __m256 totals = _mm256_setzero_ps();
-  for (; j + 8 <= visible; j += 8) {
+  for (; j + 8 <= count; j += 8) {
     const __m256 e = medusa_heads::exp8(_mm256_loadu_ps(scores + j));
     _mm256_storeu_ps(scores + j, e);
     totals = _mm256_add_ps(totals, e);
   }
   float total = medusa_heads::horizontal_sum(totals);
-  if (j < visible) {  // the last few through the same exp, in a padded block
+  if (j < count) {  // the last few through the same exp, in a padded block
     alignas(32) float tail[8];
-    for (int64_t t = 0; t < 8; ++t) tail[t] = j + t < visible ? scores[j + t] : -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < 8; ++t) tail[t] = j + t < count ? scores[j + t] : -std::numeric_limits<float>::infinity();
     _mm256_store_ps(tail, medusa_heads::exp8(_mm256_load_ps(tail)));
-    for (int64_t t = 0; j + t < visible; ++t) scores[j + t] = tail[t], total += tail[t];
+    for (int64_t t = 0; j + t < count; ++t) scores[j + t] = tail[t], total += tail[t];
   }
   __m256 acc[kMaxChunks];
   for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < visible; ++j) {
+  for (int64_t j = 0; j < count; ++j) {
     if (scores[j] == 0.0f) continue;
     const __m256 p = _mm256_set1_ps(scores[j]);
-    const float* v = values + j * D;
+    const float* v = values + seen[j] * D;
     for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
   }
   const __m256 inverse = _mm256_set1_ps(1.0f / total);
@@ -104,6 +105,7 @@ torch::Tensor medusa_heads::attend(const torch::Tensor& query, const torch::Tens
   const int64_t grain = std::max<int64_t>(1, kWorkPerThread / std::max<int64_t>(1, 2 * visible * D));
   at::parallel_for(0, B * heads * n, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(visible);
+    std::vector<int64_t> seen(visible);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (heads * n), h = item / n % heads, i = item % n;
       const int64_t at = (rows_[b] * kv_heads + h / group) * S * D;
@@ -111,11 +113,11 @@ torch::Tensor medusa_heads::attend(const torch::Tensor& query, const torch::Tens
       const float* qi = q + ((b * heads + h) * n + i) * D;
       float* yi = y + (b * n + i) * heads * D + h * D;
       if (D == 64)
-        attend_row<8>(qi, k + at, v + at, visible, D, row_mask, mj, scale, scores.data(), yi);
+        attend_row<8>(qi, k + at, v + at, visible, D, row_mask, mj, scale, seen.data(), scores.data(), yi);
       else if (D == 128)
-        attend_row<16>(qi, k + at, v + at, visible, D, row_mask, mj, scale, scores.data(), yi);
+        attend_row<16>(qi, k + at, v + at, visible, D, row_mask, mj, scale, seen.data(), scores.data(), yi);
       else
-        attend_row<0>(qi, k + at, v + at, visible, D, row_mask, mj, scale, scores.data(), yi);
+        attend_row<0>(qi, k + at, v + at, visible, D, row_mask, mj, scale, seen.data(), scores.data(), yi);
     }
   });
   return out;
