@@ -13,7 +13,11 @@
 namespace {
 
 constexpr int64_t kBlock = 16;  // outputs a block (one AVX-512 register of float32 sums, two of AVX2)
-constexpr int kTileRows = 6;    // rows of x a pass over a tile of W (2 x 6 sums in registers with AVX2's 16)
+#ifdef __AVX512F__
+constexpr int kTileRows = 8;  // rows of x a pass over a block of W (their 2 x 8 sums in registers: AVX-512 has 32)
+#else
+constexpr int kTileRows = 6;  // (AVX2's 16 registers: 2 x 6 sums)
+#endif
 constexpr int64_t kAhead = 1024;  // bytes of W fetched ahead of the sums
 
 // sums[m] = x[m] . w over 16 outputs for R rows of float32 x; w: K vectors of 16 float32 weights
