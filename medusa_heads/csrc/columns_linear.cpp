@@ -133,9 +133,13 @@ torch::Tensor medusa_heads::columns_linear(const torch::Tensor& x, const torch::
     std::vector<at::BFloat16> pairs(M * 2 * P, at::BFloat16(0.0f));  // x's rows in bfloat16, K padded to 2 P
     if (x.scalar_type() == torch::kBFloat16) {
       for (int64_t m = 0; m < M; ++m) std::copy_n(rows.data_ptr<at::BFloat16>() + m * K, K, pairs.data() + m * 2 * P);
-    } else {
+    } else {  // rounded to the nearest bfloat16, 16 at a time (at::BFloat16's scalar rounding: 4 ms of an 8-row pass)
       for (int64_t m = 0; m < M; ++m)
-        for (int64_t k = 0; k < K; ++k) pairs[m * 2 * P + k] = at::BFloat16(rows.data_ptr<float>()[m * K + k]);
+        for (int64_t k = 0; k < K; k += 16) {
+          const __mmask16 mask = K - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (K - k)) - 1);
+          const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, rows.data_ptr<float>() + m * K + k));
+          _mm256_mask_storeu_epi16(pairs.data() + m * 2 * P + k, mask, (__m256i)h);
+        }
     }
     const auto* W = columns.data_ptr<at::BFloat16>();
     const auto* X = reinterpret_cast<const int32_t*>(pairs.data());
