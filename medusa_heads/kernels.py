@@ -1,7 +1,9 @@
 """The C++ kernels of a CPU decoding step (`csrc/`), compiled on first use for the CPU at hand: the "stream" linear
 product (`csrc/stream_linear.cpp`: a product over a few rows, summed in float32, that reads each weight row once for
 all of them, so that a decoding step's products run at the memory's speed; a kernel route of `medusa_heads.speed`
-for float32 and bfloat16 models; over bfloat16 weights for drafts, `speed.draft_linear`), the fused small operations
+for float32 and bfloat16 models; over bfloat16 weights for drafts, `speed.draft_linear`), the "columns" product
+(`csrc/columns_linear.cpp`: over a weight laid out once by blocks of 16 outputs, `speed.columns`, each output summed
+alone, so that 8-16 rows cost little more than one), the fused small operations
 of a Llama-family layer (`csrc/decoder_ops.cpp`) and the attention of a pass of a few tokens (`csrc/attention.cpp`),
 used by `medusa_heads.lean` and an EAGLE-style draft's layer (`medusa_heads.eagle`), chained Medusa heads' draft of
 a tree (`csrc/draft_heads.cpp`, `speed.native_draft`) and greedy acceptance (`csrc/greedy_accept.cpp`,
