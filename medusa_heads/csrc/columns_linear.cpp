@@ -82,12 +82,14 @@ void pairs_rows(const at::BFloat16* w, const int32_t* x, int64_t rows, int64_t P
 }
 #endif
 
-// f(block, m, rows) for every block of 16 outputs and every tile of up to kTileRows rows of x from row m
+// f(block, m, rows) for every block of 16 outputs and every tile of rows of x from row m: as few tiles as kTileRows
+// allows, of even heights (9 rows: 5 and 4, not 8 and 1, whose one chain of sums would wait on each multiply-add)
 template <typename F>
 void over_blocks(int64_t M, int64_t blocks, const F& f) {
+  const int64_t tiles = (M + kTileRows - 1) / kTileRows, height = (M + tiles - 1) / std::max<int64_t>(tiles, 1);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j)
-      for (int64_t m = 0; m < M; m += kTileRows) f(j, m, std::min<int64_t>(kTileRows, M - m));
+      for (int64_t m = 0; m < M; m += height) f(j, m, std::min(height, M - m));
   });
 }
 
