@@ -305,6 +305,10 @@ def test_refuses_what_it_does_not_compute():
         stream_linear(x, torch.randn(16, 8).T, None)
     with pytest.raises(RuntimeError, match="sizes differ"):
         stream_linear(x, torch.randn(8, 15), None)
+    with pytest.raises(RuntimeError, match="columns' layout"):
+        kernels.load().columns_linear(x, weight, None, 8)  # the weight itself, not laid out by columns
+    with pytest.raises(RuntimeError, match="needs bfloat16 columns"):
+        columns_linear(x.bfloat16(), weight, None)
 
 
 @pytest.mark.parametrize("route", ["stream", "packed", "columns"])
