@@ -14,13 +14,34 @@ namespace {
 
 constexpr int64_t kBlock = 16;  // outputs a block (one AVX-512 register of float32 sums, two of AVX2)
 #ifdef __AVX512F__
-constexpr int kTileRows = 8;  // rows of x a pass over a block of W (their 2 x 8 sums in registers: AVX-512 has 32)
+constexpr int kTileRows = 16;  // rows of x a pass over a block of W (their sums in 16 of AVX-512's 32 registers)
 #else
 constexpr int kTileRows = 6;  // (AVX2's 16 registers: 2 x 6 sums)
 #endif
 constexpr int64_t kAhead = 1024;  // bytes of W fetched ahead of the sums
 
-// sums[m] = x[m] . w over 16 outputs for R rows of float32 x; w: K vectors of 16 float32 weights
+// sums[m] = x[m] . w over 16 outputs for R rows of float32 x; w: K vectors of 16 float32 weights. Each lane's fused
+// multiply-adds run in the same order in both versions, so they give the same sums: the one of one AVX-512 register
+// a row (wide_tile) for 4 rows or more, the one of two AVX2 registers a row (two chains of sums) below.
+#ifdef __AVX512F__
+template <int R>
+void wide_tile(const float* __restrict w, const float* __restrict x, int64_t K, int64_t stride, float* __restrict y,
+               int64_t N, int64_t outputs, const float* __restrict b) {
+  __m512 sums[R];
+  for (int m = 0; m < R; ++m) sums[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * k) + kAhead, _MM_HINT_T0);  // a cache line a k
+    const __m512 wk = _mm512_loadu_ps(w + 16 * k);
+    for (int m = 0; m < R; ++m) sums[m] = _mm512_fmadd_ps(wk, _mm512_set1_ps(x[m * stride + k]), sums[m]);
+  }
+  for (int m = 0; m < R; ++m) {
+    alignas(64) float s[kBlock];
+    _mm512_store_ps(s, sums[m]);
+    for (int64_t j = 0; j < outputs; ++j) y[m * N + j] = b ? s[j] + b[j] : s[j];
+  }
+}
+#endif
+
 template <int R>
 void float_tile(const float* __restrict w, const float* __restrict x, int64_t K, int64_t stride, float* __restrict y,
                 int64_t N, int64_t outputs, const float* __restrict b) {
@@ -49,7 +70,13 @@ void float_rows(const float* w, const float* x, int64_t rows, int64_t K, int64_t
   if constexpr (R > 1) {
     if (rows < R) return float_rows<R - 1>(w, x, rows, K, stride, y, N, outputs, b);
   }
-  float_tile<R>(w, x, K, stride, y, N, outputs, b);
+#ifdef __AVX512F__
+  if constexpr (R >= 4) {
+    wide_tile<R>(w, x, K, stride, y, N, outputs, b);
+    return;
+  }
+#endif
+  if constexpr (R <= 6) float_tile<R>(w, x, K, stride, y, N, outputs, b);  // (with AVX-512: below 4 rows)
 }
 
 #ifdef __AVX512BF16__
