@@ -82,7 +82,18 @@ def stream_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   draft: bool = False) -> torch.Tensor:
     """x weight^T + bias by the stream kernel (RuntimeError where it is not available or not applicable); draft: a
     draft's product, whose sums may round in another order than a base model's (faster where the caches hold it)."""
+    return _built("stream").stream_linear(x, weight, bias, draft)
+
+
+def columns_linear(x: torch.Tensor, columns: torch.Tensor, bias: torch.Tensor | None, outputs: int) -> torch.Tensor:
+    """x W^T + bias by the columns kernel, over `columns`, W (outputs, K) as `speed.columns` lays it out
+    (RuntimeError where it is not available or not applicable)."""
+    return _built("columns").columns_linear(x, columns, bias, outputs)
+
+
+def _built(kernel: str):
+    """The compiled module, or a RuntimeError that says this kernel is not available here."""
     module = load()
     if module is None:
-        raise RuntimeError("the stream kernel is not available on this machine")
-    return module.stream_linear(x, weight, bias, draft)
+        raise RuntimeError(f"the {kernel} kernel is not available on this machine")
+    return module

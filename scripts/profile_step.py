@@ -114,7 +114,7 @@ def main() -> None:
         parts = [(label, TIMES[label]) for _, _, label in PARTS]
         for label, seconds in [*parts, ("masks, positions, Python", total - sum(s for _, s in parts))]:
             print(f"  {label:32s} {seconds / args.steps * 1000:7.2f} ms  {seconds / total:6.1%}")
-        step, alone = total / args.steps, products_alone(model, engine.routes, rows, args.steps)
+        step, alone = total / args.steps, products_alone(model, engine.step_routes, rows, args.steps)
         print(f"  matrix products alone ({rows} rows): {alone * 1000:.1f} ms; the rest (heads included) "
               f"{(step - alone) * 1000:.1f} ms ({(step - alone) / step:.0%} of the step)")
 

@@ -268,8 +268,7 @@ def test_a_bfloat16_models_product_rounds_once_and_does_not_depend_on_the_other_
 BF16_PAIRS = "avx512_bf16" in cpu_info()[1]  # the bfloat16 columns kernel's instructions
 
 
-def columns_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return kernels.load().columns_linear(x, speed.columns(weight), bias, weight.shape[0])
+columns_linear = speed.ROUTES["columns"]  # x W^T + b over W's copy by columns
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
@@ -306,7 +305,7 @@ def test_refuses_what_it_does_not_compute():
     with pytest.raises(RuntimeError, match="sizes differ"):
         stream_linear(x, torch.randn(8, 15), None)
     with pytest.raises(RuntimeError, match="columns' layout"):
-        kernels.load().columns_linear(x, weight, None, 8)  # the weight itself, not laid out by columns
+        kernels.columns_linear(x, weight, None, 8)  # the weight itself, not laid out by columns
     with pytest.raises(RuntimeError, match="needs bfloat16 columns"):
         columns_linear(x.bfloat16(), weight, None)
 
